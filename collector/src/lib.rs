@@ -1,0 +1,1 @@
+//! kvroute collector (see issue 3).

@@ -1,0 +1,1 @@
+//! kvroute proxy-wasm filter (see issue 5).

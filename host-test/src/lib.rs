@@ -1,0 +1,1 @@
+//! proxy-wasm host for tests (see issue 4).

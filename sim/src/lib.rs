@@ -1,0 +1,1 @@
+//! engine simulator (see issue 6).

@@ -1,0 +1,434 @@
+//! The feed: the compact binary delta stream the collector serves at `GET /v1/feed` and the
+//! filter's sync lease holder pulls. Defined once here: the collector calls [`Page::encode`],
+//! the filter calls [`Page::decode`].
+//!
+//! # Protocol
+//!
+//! The filter asks `GET /v1/feed?epoch=E&since=C` with the epoch and cursor of the last page
+//! it applied (neither on its first pull). The collector answers one page:
+//!
+//! - if `E` is its own epoch and `C` is still in its bounded log: the deltas after `C`;
+//! - otherwise a full snapshot, which starts with a page flagged [`Page::RESET`]: the reader
+//!   starts a fresh index (worker table, block sizes, aliases and blocks) and builds it from
+//!   that page and the ones after it, switching it in once it has caught up.
+//!
+//! [`Page::MORE`] says more is ready now: ask again at once with the page's `cursor`. A
+//! collector restart brings a new epoch, so a reader never mixes two collectors' cursors.
+//!
+//! # Wire format, version 1
+//!
+//! All integers little-endian; `varint` is LEB128 (at most 10 bytes); `str` is a varint length
+//! and UTF-8 bytes, at most [`MAX_STR`] long.
+//!
+//! ```text
+//! magic   b"KVRF"
+//! version u8 = 1
+//! flags   u8        bit 0 RESET, bit 1 MORE; other bits must be 0
+//! epoch   u64
+//! cursor  u64       pass back as `since`
+//! count   varint    number of ops, then each op as a tag byte and its fields:
+//!   1 Worker    id varint, live u8 (0|1), dp_rank varint, instance_id str, address str
+//!   2 WorkerGone id varint
+//!   3 BlockSize tenant str, model str, block_size varint (>= 1)
+//!   4 Alias     tenant str, served str, model str, lora str ("" = none)
+//!   5 Blocks    worker varint, tier u8 (0 GPU, 1 CPU, 2 DISK), added u8 (0|1),
+//!               n varint, n × BlockKey u64
+//! ```
+//!
+//! Block removals are already expanded by the collector's cascade: a removed block arrives
+//! with every descendant the worker lost with it, so the reader never walks a tree. A worker
+//! that goes away first loses its blocks (as `Blocks` removals), then gets a `WorkerGone`.
+
+use crate::event::{Tier, WorkerId};
+use crate::scope::BlockKey;
+
+pub const MAGIC: [u8; 4] = *b"KVRF";
+pub const VERSION: u8 = 1;
+/// Longest string the format carries (instance ids, addresses, names).
+pub const MAX_STR: usize = 4096;
+const HEADER_LEN: usize = 4 + 1 + 1 + 8 + 8;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// A worker was registered or changed (address, liveness).
+    Worker { id: WorkerId, live: bool, dp_rank: u32, instance_id: String, address: String },
+    /// A worker's slot is free again.
+    WorkerGone { id: WorkerId },
+    /// The block size of `(tenant, model)`.
+    BlockSize { tenant: String, model: String, block_size: u32 },
+    /// A served model name (a LoRA adapter's, say) resolves to `(model, lora)`.
+    Alias { tenant: String, served: String, model: String, lora: Option<String> },
+    /// Blocks a worker gained (`added`) or lost in `tier`.
+    Blocks { worker: WorkerId, tier: Tier, added: bool, keys: Vec<BlockKey> },
+}
+
+impl Op {
+    /// Bytes this op takes on the wire (upper bound), for paging.
+    pub fn encoded_len(&self) -> usize {
+        let s = |s: &str| 10 + s.len();
+        1 + match self {
+            Op::Worker { instance_id, address, .. } => 10 + 1 + 10 + s(instance_id) + s(address),
+            Op::WorkerGone { .. } => 10,
+            Op::BlockSize { tenant, model, .. } => s(tenant) + s(model) + 10,
+            Op::Alias { tenant, served, model, lora } => {
+                s(tenant) + s(served) + s(model) + s(lora.as_deref().unwrap_or(""))
+            }
+            Op::Blocks { keys, .. } => 10 + 2 + 10 + 8 * keys.len(),
+        }
+    }
+}
+
+/// One response of `/v1/feed`.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Page {
+    pub flags: u8,
+    pub epoch: u64,
+    pub cursor: u64,
+    pub ops: Vec<Op>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FeedError {
+    #[error("feed page truncated at byte {0}")]
+    Truncated(usize),
+    #[error("not a feed page (bad magic)")]
+    BadMagic,
+    #[error("unsupported feed version {0}")]
+    Version(u8),
+    #[error("unknown flag bits {0:#04x}")]
+    Flags(u8),
+    #[error("unknown op tag {tag} at byte {at}")]
+    Tag { tag: u8, at: usize },
+    #[error("bad value at byte {at}: {what}")]
+    Value { at: usize, what: &'static str },
+    #[error("{0} trailing bytes after the last op")]
+    Trailing(usize),
+}
+
+impl Page {
+    pub const RESET: u8 = 1;
+    pub const MORE: u8 = 2;
+
+    pub fn is_reset(&self) -> bool {
+        self.flags & Self::RESET != 0
+    }
+
+    pub fn has_more(&self) -> bool {
+        self.flags & Self::MORE != 0
+    }
+
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&MAGIC);
+        out.push(VERSION);
+        out.push(self.flags);
+        out.extend_from_slice(&self.epoch.to_le_bytes());
+        out.extend_from_slice(&self.cursor.to_le_bytes());
+        put_varint(out, self.ops.len() as u64);
+        for op in &self.ops {
+            match op {
+                Op::Worker { id, live, dp_rank, instance_id, address } => {
+                    out.push(1);
+                    put_varint(out, id.0 as u64);
+                    out.push(*live as u8);
+                    put_varint(out, *dp_rank as u64);
+                    put_str(out, instance_id);
+                    put_str(out, address);
+                }
+                Op::WorkerGone { id } => {
+                    out.push(2);
+                    put_varint(out, id.0 as u64);
+                }
+                Op::BlockSize { tenant, model, block_size } => {
+                    out.push(3);
+                    put_str(out, tenant);
+                    put_str(out, model);
+                    put_varint(out, *block_size as u64);
+                }
+                Op::Alias { tenant, served, model, lora } => {
+                    out.push(4);
+                    put_str(out, tenant);
+                    put_str(out, served);
+                    put_str(out, model);
+                    put_str(out, lora.as_deref().unwrap_or(""));
+                }
+                Op::Blocks { worker, tier, added, keys } => {
+                    out.push(5);
+                    put_varint(out, worker.0 as u64);
+                    out.push(*tier as u8);
+                    out.push(*added as u8);
+                    put_varint(out, keys.len() as u64);
+                    for key in keys {
+                        out.extend_from_slice(&key.0.to_le_bytes());
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER_LEN + 10 + self.ops.iter().map(Op::encoded_len).sum::<usize>());
+        self.encode(&mut out);
+        out
+    }
+
+    /// Decodes one page. Never panics: any malformed input is an error.
+    pub fn decode(bytes: &[u8]) -> Result<Page, FeedError> {
+        let mut r = Reader { bytes, at: 0 };
+        if r.take(4)? != MAGIC {
+            return Err(FeedError::BadMagic);
+        }
+        let version = r.u8()?;
+        if version != VERSION {
+            return Err(FeedError::Version(version));
+        }
+        let flags = r.u8()?;
+        if flags & !(Self::RESET | Self::MORE) != 0 {
+            return Err(FeedError::Flags(flags));
+        }
+        let epoch = r.u64()?;
+        let cursor = r.u64()?;
+        let count = r.varint()?;
+        // Each op takes at least two bytes: a count past that is a lie, not an allocation.
+        if count > (r.remaining() / 2) as u64 {
+            return Err(FeedError::Value { at: r.at, what: "op count exceeds page size" });
+        }
+        let mut ops = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            let at = r.at;
+            let op = match r.u8()? {
+                1 => Op::Worker {
+                    id: r.worker()?,
+                    live: r.bool()?,
+                    dp_rank: r.u32_varint()?,
+                    instance_id: r.str()?,
+                    address: r.str()?,
+                },
+                2 => Op::WorkerGone { id: r.worker()? },
+                3 => {
+                    let tenant = r.str()?;
+                    let model = r.str()?;
+                    let at = r.at;
+                    let block_size = r.u32_varint()?;
+                    if block_size == 0 {
+                        return Err(FeedError::Value { at, what: "block size 0" });
+                    }
+                    Op::BlockSize { tenant, model, block_size }
+                }
+                4 => {
+                    let tenant = r.str()?;
+                    let served = r.str()?;
+                    let model = r.str()?;
+                    let lora = r.str()?;
+                    Op::Alias { tenant, served, model, lora: (!lora.is_empty()).then_some(lora) }
+                }
+                5 => {
+                    let worker = r.worker()?;
+                    let at = r.at;
+                    let tier = Tier::from_u8(r.u8()?).ok_or(FeedError::Value { at, what: "tier" })?;
+                    let added = r.bool()?;
+                    let at = r.at;
+                    let n = r.varint()?;
+                    if n > (r.remaining() / 8) as u64 {
+                        return Err(FeedError::Value { at, what: "block count exceeds page size" });
+                    }
+                    let keys = r
+                        .take(n as usize * 8)?
+                        .chunks_exact(8)
+                        .map(|c| BlockKey(u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))))
+                        .collect();
+                    Op::Blocks { worker, tier, added, keys }
+                }
+                tag => return Err(FeedError::Tag { tag, at }),
+            };
+            ops.push(op);
+        }
+        if r.remaining() != 0 {
+            return Err(FeedError::Trailing(r.remaining()));
+        }
+        Ok(Page { flags, epoch, cursor, ops })
+    }
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// Strings longer than [`MAX_STR`] are cut at a character boundary: the collector refuses
+/// such names at registration, so this only guards the format's own limit.
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    let mut end = s.len().min(MAX_STR);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    put_varint(out, end as u64);
+    out.extend_from_slice(&s.as_bytes()[..end]);
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn remaining(&self) -> usize {
+        self.bytes.len() - self.at
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], FeedError> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or(FeedError::Truncated(self.at))?;
+        let slice = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(slice)
+    }
+
+    fn u8(&mut self) -> Result<u8, FeedError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn bool(&mut self) -> Result<bool, FeedError> {
+        let at = self.at;
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(FeedError::Value { at, what: "bool" }),
+        }
+    }
+
+    fn u64(&mut self) -> Result<u64, FeedError> {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(b))
+    }
+
+    fn varint(&mut self) -> Result<u64, FeedError> {
+        let start = self.at;
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let byte = self.u8()?;
+            let bits = (byte & 0x7f) as u64;
+            if shift == 63 && bits > 1 {
+                return Err(FeedError::Value { at: start, what: "varint overflows u64" });
+            }
+            v |= bits << shift;
+            if byte & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        Err(FeedError::Value { at: start, what: "varint too long" })
+    }
+
+    fn u32_varint(&mut self) -> Result<u32, FeedError> {
+        let at = self.at;
+        u32::try_from(self.varint()?).map_err(|_| FeedError::Value { at, what: "value exceeds u32" })
+    }
+
+    fn worker(&mut self) -> Result<WorkerId, FeedError> {
+        self.u32_varint().map(WorkerId)
+    }
+
+    fn str(&mut self) -> Result<String, FeedError> {
+        let at = self.at;
+        let len = self.varint()?;
+        if len > MAX_STR as u64 {
+            return Err(FeedError::Value { at, what: "string too long" });
+        }
+        let bytes = self.take(len as usize)?;
+        std::str::from_utf8(bytes).map(str::to_owned).map_err(|_| FeedError::Value { at, what: "string not UTF-8" })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_str() -> impl Strategy<Value = String> {
+        "[a-z0-9:._/-]{0,24}"
+    }
+
+    fn arb_op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (any::<u32>(), any::<bool>(), any::<u32>(), arb_str(), arb_str()).prop_map(
+                |(id, live, dp_rank, instance_id, address)| Op::Worker {
+                    id: WorkerId(id),
+                    live,
+                    dp_rank,
+                    instance_id,
+                    address
+                }
+            ),
+            any::<u32>().prop_map(|id| Op::WorkerGone { id: WorkerId(id) }),
+            (arb_str(), arb_str(), 1u32..).prop_map(|(tenant, model, block_size)| Op::BlockSize {
+                tenant,
+                model,
+                block_size
+            }),
+            (arb_str(), arb_str(), arb_str(), proptest::option::of("[a-z]{1,8}"))
+                .prop_map(|(tenant, served, model, lora)| Op::Alias { tenant, served, model, lora }),
+            (any::<u32>(), 0u8..3, any::<bool>(), proptest::collection::vec(any::<u64>(), 0..40)).prop_map(
+                |(w, t, added, keys)| Op::Blocks {
+                    worker: WorkerId(w),
+                    tier: Tier::from_u8(t).unwrap(),
+                    added,
+                    keys: keys.into_iter().map(BlockKey).collect()
+                }
+            ),
+        ]
+    }
+
+    fn arb_page() -> impl Strategy<Value = Page> {
+        (0u8..4, any::<u64>(), any::<u64>(), proptest::collection::vec(arb_op(), 0..20))
+            .prop_map(|(flags, epoch, cursor, ops)| Page { flags, epoch, cursor, ops })
+    }
+
+    proptest! {
+        #[test]
+        fn pages_round_trip(page in arb_page()) {
+            let bytes = page.to_bytes();
+            prop_assert!(bytes.len() <= HEADER_LEN + 10 + page.ops.iter().map(Op::encoded_len).sum::<usize>());
+            prop_assert_eq!(Page::decode(&bytes), Ok(page));
+        }
+
+        #[test]
+        fn truncated_pages_are_errors(page in arb_page(), cut in any::<prop::sample::Index>()) {
+            let bytes = page.to_bytes();
+            let cut = cut.index(bytes.len());
+            prop_assert!(Page::decode(&bytes[..cut]).is_err());
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = Page::decode(&bytes);
+            let mut framed = MAGIC.to_vec();
+            framed.push(VERSION);
+            framed.extend_from_slice(&bytes);
+            let _ = Page::decode(&framed);
+        }
+
+        #[test]
+        fn corrupted_pages_never_panic(page in arb_page(), at in any::<prop::sample::Index>(), byte in any::<u8>()) {
+            let mut bytes = page.to_bytes();
+            let at = at.index(bytes.len());
+            bytes[at] = byte;
+            let _ = Page::decode(&bytes);
+        }
+    }
+
+    #[test]
+    fn bad_headers_are_named() {
+        assert_eq!(Page::decode(b"XXXX"), Err(FeedError::BadMagic));
+        let mut bytes = Page::default().to_bytes();
+        bytes[4] = 9;
+        assert_eq!(Page::decode(&bytes), Err(FeedError::Version(9)));
+        let mut bytes = Page::default().to_bytes();
+        bytes[5] = 0x80;
+        assert_eq!(Page::decode(&bytes), Err(FeedError::Flags(0x80)));
+        let mut bytes = Page::default().to_bytes();
+        bytes.push(0);
+        assert_eq!(Page::decode(&bytes), Err(FeedError::Trailing(1)));
+    }
+}

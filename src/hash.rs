@@ -1,0 +1,148 @@
+//! The hashing contract shared with NVIDIA Dynamo's KV router (DESIGN.md, "Hashing contract").
+//!
+//! A block is `block_size` consecutive `u32` tokens, hashed as little-endian bytes with xxh3-64
+//! under a seed that folds in the LoRA name and cache salt. Sequence hashes chain the block
+//! hashes so that equal sequence hashes mean equal prefixes. A trailing partial block is never
+//! hashed.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// The base seed of the contract.
+pub const BASE_SEED: u64 = 1337;
+
+/// Contract hash of one block's tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockHash(pub u64);
+
+/// Chained hash of a whole prefix, ending at one block: the key the index is built on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqHash(pub u64);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum HashError {
+    #[error("block size must be at least 1 token")]
+    ZeroBlockSize,
+}
+
+/// The seed of a scope: 1337, plus xxh3(lora_name, 0) and xxh3(cache_salt, 1) when given.
+/// An empty string counts as absent, as in Dynamo.
+pub fn seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
+    let mut seed = BASE_SEED;
+    if let Some(lora) = lora_name.filter(|s| !s.is_empty()) {
+        seed = seed.wrapping_add(xxh3_64_with_seed(lora.as_bytes(), 0));
+    }
+    if let Some(salt) = cache_salt.filter(|s| !s.is_empty()) {
+        seed = seed.wrapping_add(xxh3_64_with_seed(salt.as_bytes(), 1));
+    }
+    seed
+}
+
+/// The hash of one full block of tokens.
+#[inline]
+pub fn block_hash(block: &[u32], seed: u64) -> BlockHash {
+    BlockHash(with_le_bytes(block, |bytes| xxh3_64_with_seed(bytes, seed)))
+}
+
+/// Chains one more block onto a prefix.
+#[inline]
+pub fn chain(parent: Option<SeqHash>, block: BlockHash) -> SeqHash {
+    match parent {
+        None => SeqHash(block.0),
+        Some(parent) => {
+            let mut buf = [0u8; 16];
+            buf[..8].copy_from_slice(&parent.0.to_le_bytes());
+            buf[8..].copy_from_slice(&block.0.to_le_bytes());
+            SeqHash(xxh3_64_with_seed(&buf, BASE_SEED))
+        }
+    }
+}
+
+/// Block hashes of every full block of `tokens`.
+pub fn block_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Result<Vec<BlockHash>, HashError> {
+    if block_size == 0 {
+        return Err(HashError::ZeroBlockSize);
+    }
+    Ok(tokens.chunks_exact(block_size).map(|b| block_hash(b, seed)).collect())
+}
+
+/// Sequence hashes of every full block of `tokens`, appended to `out` (cleared first), so a
+/// caller on a hot path can reuse one buffer.
+pub fn sequence_hashes_into(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+    out: &mut Vec<SeqHash>,
+) -> Result<(), HashError> {
+    if block_size == 0 {
+        return Err(HashError::ZeroBlockSize);
+    }
+    out.clear();
+    out.reserve(tokens.len() / block_size);
+    let mut parent = None;
+    for block in tokens.chunks_exact(block_size) {
+        let seq = chain(parent, block_hash(block, seed));
+        out.push(seq);
+        parent = Some(seq);
+    }
+    Ok(())
+}
+
+/// Sequence hashes of every full block of `tokens`.
+pub fn sequence_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Result<Vec<SeqHash>, HashError> {
+    let mut out = Vec::new();
+    sequence_hashes_into(tokens, block_size, seed, &mut out)?;
+    Ok(out)
+}
+
+/// Sequence hashes from already computed block hashes (Dynamo-style `/query_by_hash`).
+pub fn sequence_hashes_of_blocks(blocks: &[BlockHash]) -> Vec<SeqHash> {
+    let mut parent = None;
+    blocks
+        .iter()
+        .map(|&b| {
+            let seq = chain(parent, b);
+            parent = Some(seq);
+            seq
+        })
+        .collect()
+}
+
+/// Runs `f` on the little-endian bytes of `tokens`: a free reinterpretation on little-endian
+/// targets (x86_64, wasm32), a copy elsewhere.
+#[inline]
+fn with_le_bytes<R>(tokens: &[u32], f: impl FnOnce(&[u8]) -> R) -> R {
+    #[cfg(target_endian = "little")]
+    {
+        f(bytemuck::cast_slice(tokens))
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        f(&bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_block_size_is_an_error() {
+        assert_eq!(sequence_hashes(&[1, 2, 3], 0, BASE_SEED), Err(HashError::ZeroBlockSize));
+        assert_eq!(block_hashes(&[1], 0, BASE_SEED), Err(HashError::ZeroBlockSize));
+    }
+
+    #[test]
+    fn empty_names_are_no_names() {
+        assert_eq!(seed(Some(""), Some("")), BASE_SEED);
+        assert_ne!(seed(Some("a"), None), BASE_SEED);
+        assert_ne!(seed(Some("a"), None), seed(None, Some("a")));
+    }
+
+    #[test]
+    fn sequence_hashes_chain_block_hashes() {
+        let tokens: Vec<u32> = (0..64).collect();
+        let blocks = block_hashes(&tokens, 16, BASE_SEED).unwrap();
+        assert_eq!(sequence_hashes(&tokens, 16, BASE_SEED).unwrap(), sequence_hashes_of_blocks(&blocks));
+    }
+}
