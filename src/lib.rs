@@ -15,10 +15,12 @@
 //!    destination header.
 
 pub mod api;
+pub mod bucket;
 pub mod event;
 pub mod feed;
 pub mod hash;
 pub mod index;
+pub mod intake;
 pub mod lookup;
 pub mod scope;
 pub mod select;
