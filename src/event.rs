@@ -32,7 +32,9 @@ impl Tier {
         match medium {
             None => Tier::Gpu,
             Some(m) if m.eq_ignore_ascii_case("GPU") => Tier::Gpu,
-            Some(m) if m.eq_ignore_ascii_case("CPU") || m.eq_ignore_ascii_case("CPU_PINNED") => Tier::Cpu,
+            Some(m) if m.eq_ignore_ascii_case("CPU") || m.eq_ignore_ascii_case("CPU_PINNED") => {
+                Tier::Cpu
+            }
             Some(_) => Tier::Disk,
         }
     }

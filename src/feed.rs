@@ -51,15 +51,35 @@ const HEADER_LEN: usize = 4 + 1 + 1 + 8 + 8;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
     /// A worker was registered or changed (address, liveness).
-    Worker { id: WorkerId, live: bool, dp_rank: u32, instance_id: String, address: String },
+    Worker {
+        id: WorkerId,
+        live: bool,
+        dp_rank: u32,
+        instance_id: String,
+        address: String,
+    },
     /// A worker's slot is free again.
     WorkerGone { id: WorkerId },
     /// The block size of `(tenant, model)`.
-    BlockSize { tenant: String, model: String, block_size: u32 },
+    BlockSize {
+        tenant: String,
+        model: String,
+        block_size: u32,
+    },
     /// A served model name (a LoRA adapter's, say) resolves to `(model, lora)`.
-    Alias { tenant: String, served: String, model: String, lora: Option<String> },
+    Alias {
+        tenant: String,
+        served: String,
+        model: String,
+        lora: Option<String>,
+    },
     /// Blocks a worker gained (`added`) or lost in `tier`.
-    Blocks { worker: WorkerId, tier: Tier, added: bool, keys: Vec<BlockKey> },
+    Blocks {
+        worker: WorkerId,
+        tier: Tier,
+        added: bool,
+        keys: Vec<BlockKey>,
+    },
 }
 
 impl Op {
@@ -67,12 +87,19 @@ impl Op {
     pub fn encoded_len(&self) -> usize {
         let s = |s: &str| 10 + s.len();
         1 + match self {
-            Op::Worker { instance_id, address, .. } => 10 + 1 + 10 + s(instance_id) + s(address),
+            Op::Worker {
+                instance_id,
+                address,
+                ..
+            } => 10 + 1 + 10 + s(instance_id) + s(address),
             Op::WorkerGone { .. } => 10,
             Op::BlockSize { tenant, model, .. } => s(tenant) + s(model) + 10,
-            Op::Alias { tenant, served, model, lora } => {
-                s(tenant) + s(served) + s(model) + s(lora.as_deref().unwrap_or(""))
-            }
+            Op::Alias {
+                tenant,
+                served,
+                model,
+                lora,
+            } => s(tenant) + s(served) + s(model) + s(lora.as_deref().unwrap_or("")),
             Op::Blocks { keys, .. } => 10 + 2 + 10 + 8 * keys.len(),
         }
     }
@@ -126,7 +153,13 @@ impl Page {
         put_varint(out, self.ops.len() as u64);
         for op in &self.ops {
             match op {
-                Op::Worker { id, live, dp_rank, instance_id, address } => {
+                Op::Worker {
+                    id,
+                    live,
+                    dp_rank,
+                    instance_id,
+                    address,
+                } => {
                     out.push(1);
                     put_varint(out, id.0 as u64);
                     out.push(*live as u8);
@@ -138,20 +171,34 @@ impl Page {
                     out.push(2);
                     put_varint(out, id.0 as u64);
                 }
-                Op::BlockSize { tenant, model, block_size } => {
+                Op::BlockSize {
+                    tenant,
+                    model,
+                    block_size,
+                } => {
                     out.push(3);
                     put_str(out, tenant);
                     put_str(out, model);
                     put_varint(out, *block_size as u64);
                 }
-                Op::Alias { tenant, served, model, lora } => {
+                Op::Alias {
+                    tenant,
+                    served,
+                    model,
+                    lora,
+                } => {
                     out.push(4);
                     put_str(out, tenant);
                     put_str(out, served);
                     put_str(out, model);
                     put_str(out, lora.as_deref().unwrap_or(""));
                 }
-                Op::Blocks { worker, tier, added, keys } => {
+                Op::Blocks {
+                    worker,
+                    tier,
+                    added,
+                    keys,
+                } => {
                     out.push(5);
                     put_varint(out, worker.0 as u64);
                     out.push(*tier as u8);
@@ -166,7 +213,9 @@ impl Page {
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(HEADER_LEN + 10 + self.ops.iter().map(Op::encoded_len).sum::<usize>());
+        let mut out = Vec::with_capacity(
+            HEADER_LEN + 10 + self.ops.iter().map(Op::encoded_len).sum::<usize>(),
+        );
         self.encode(&mut out);
         out
     }
@@ -190,7 +239,10 @@ impl Page {
         let count = r.varint()?;
         // Each op takes at least two bytes: a count past that is a lie, not an allocation.
         if count > (r.remaining() / 2) as u64 {
-            return Err(FeedError::Value { at: r.at, what: "op count exceeds page size" });
+            return Err(FeedError::Value {
+                at: r.at,
+                what: "op count exceeds page size",
+            });
         }
         let mut ops = Vec::with_capacity(count as usize);
         for _ in 0..count {
@@ -210,33 +262,54 @@ impl Page {
                     let at = r.at;
                     let block_size = r.u32_varint()?;
                     if block_size == 0 {
-                        return Err(FeedError::Value { at, what: "block size 0" });
+                        return Err(FeedError::Value {
+                            at,
+                            what: "block size 0",
+                        });
                     }
-                    Op::BlockSize { tenant, model, block_size }
+                    Op::BlockSize {
+                        tenant,
+                        model,
+                        block_size,
+                    }
                 }
                 4 => {
                     let tenant = r.str()?;
                     let served = r.str()?;
                     let model = r.str()?;
                     let lora = r.str()?;
-                    Op::Alias { tenant, served, model, lora: (!lora.is_empty()).then_some(lora) }
+                    Op::Alias {
+                        tenant,
+                        served,
+                        model,
+                        lora: (!lora.is_empty()).then_some(lora),
+                    }
                 }
                 5 => {
                     let worker = r.worker()?;
                     let at = r.at;
-                    let tier = Tier::from_u8(r.u8()?).ok_or(FeedError::Value { at, what: "tier" })?;
+                    let tier =
+                        Tier::from_u8(r.u8()?).ok_or(FeedError::Value { at, what: "tier" })?;
                     let added = r.bool()?;
                     let at = r.at;
                     let n = r.varint()?;
                     if n > (r.remaining() / 8) as u64 {
-                        return Err(FeedError::Value { at, what: "block count exceeds page size" });
+                        return Err(FeedError::Value {
+                            at,
+                            what: "block count exceeds page size",
+                        });
                     }
                     let keys = r
                         .take(n as usize * 8)?
                         .chunks_exact(8)
                         .map(|c| BlockKey(u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))))
                         .collect();
-                    Op::Blocks { worker, tier, added, keys }
+                    Op::Blocks {
+                        worker,
+                        tier,
+                        added,
+                        keys,
+                    }
                 }
                 tag => return Err(FeedError::Tag { tag, at }),
             };
@@ -245,7 +318,12 @@ impl Page {
         if r.remaining() != 0 {
             return Err(FeedError::Trailing(r.remaining()));
         }
-        Ok(Page { flags, epoch, cursor, ops })
+        Ok(Page {
+            flags,
+            epoch,
+            cursor,
+            ops,
+        })
     }
 }
 
@@ -279,7 +357,11 @@ impl<'a> Reader<'a> {
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], FeedError> {
-        let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or(FeedError::Truncated(self.at))?;
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.bytes.len())
+            .ok_or(FeedError::Truncated(self.at))?;
         let slice = &self.bytes[self.at..end];
         self.at = end;
         Ok(slice)
@@ -311,19 +393,28 @@ impl<'a> Reader<'a> {
             let byte = self.u8()?;
             let bits = (byte & 0x7f) as u64;
             if shift == 63 && bits > 1 {
-                return Err(FeedError::Value { at: start, what: "varint overflows u64" });
+                return Err(FeedError::Value {
+                    at: start,
+                    what: "varint overflows u64",
+                });
             }
             v |= bits << shift;
             if byte & 0x80 == 0 {
                 return Ok(v);
             }
         }
-        Err(FeedError::Value { at: start, what: "varint too long" })
+        Err(FeedError::Value {
+            at: start,
+            what: "varint too long",
+        })
     }
 
     fn u32_varint(&mut self) -> Result<u32, FeedError> {
         let at = self.at;
-        u32::try_from(self.varint()?).map_err(|_| FeedError::Value { at, what: "value exceeds u32" })
+        u32::try_from(self.varint()?).map_err(|_| FeedError::Value {
+            at,
+            what: "value exceeds u32",
+        })
     }
 
     fn worker(&mut self) -> Result<WorkerId, FeedError> {
@@ -334,10 +425,18 @@ impl<'a> Reader<'a> {
         let at = self.at;
         let len = self.varint()?;
         if len > MAX_STR as u64 {
-            return Err(FeedError::Value { at, what: "string too long" });
+            return Err(FeedError::Value {
+                at,
+                what: "string too long",
+            });
         }
         let bytes = self.take(len as usize)?;
-        std::str::from_utf8(bytes).map(str::to_owned).map_err(|_| FeedError::Value { at, what: "string not UTF-8" })
+        std::str::from_utf8(bytes)
+            .map(str::to_owned)
+            .map_err(|_| FeedError::Value {
+                at,
+                what: "string not UTF-8",
+            })
     }
 }
 
@@ -352,37 +451,66 @@ mod tests {
 
     fn arb_op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            (any::<u32>(), any::<bool>(), any::<u32>(), arb_str(), arb_str()).prop_map(
-                |(id, live, dp_rank, instance_id, address)| Op::Worker {
+            (
+                any::<u32>(),
+                any::<bool>(),
+                any::<u32>(),
+                arb_str(),
+                arb_str()
+            )
+                .prop_map(|(id, live, dp_rank, instance_id, address)| Op::Worker {
                     id: WorkerId(id),
                     live,
                     dp_rank,
                     instance_id,
                     address
-                }
-            ),
+                }),
             any::<u32>().prop_map(|id| Op::WorkerGone { id: WorkerId(id) }),
             (arb_str(), arb_str(), 1u32..).prop_map(|(tenant, model, block_size)| Op::BlockSize {
                 tenant,
                 model,
                 block_size
             }),
-            (arb_str(), arb_str(), arb_str(), proptest::option::of("[a-z]{1,8}"))
-                .prop_map(|(tenant, served, model, lora)| Op::Alias { tenant, served, model, lora }),
-            (any::<u32>(), 0u8..3, any::<bool>(), proptest::collection::vec(any::<u64>(), 0..40)).prop_map(
-                |(w, t, added, keys)| Op::Blocks {
+            (
+                arb_str(),
+                arb_str(),
+                arb_str(),
+                proptest::option::of("[a-z]{1,8}")
+            )
+                .prop_map(|(tenant, served, model, lora)| Op::Alias {
+                    tenant,
+                    served,
+                    model,
+                    lora
+                }),
+            (
+                any::<u32>(),
+                0u8..3,
+                any::<bool>(),
+                proptest::collection::vec(any::<u64>(), 0..40)
+            )
+                .prop_map(|(w, t, added, keys)| Op::Blocks {
                     worker: WorkerId(w),
                     tier: Tier::from_u8(t).unwrap(),
                     added,
                     keys: keys.into_iter().map(BlockKey).collect()
-                }
-            ),
+                }),
         ]
     }
 
     fn arb_page() -> impl Strategy<Value = Page> {
-        (0u8..4, any::<u64>(), any::<u64>(), proptest::collection::vec(arb_op(), 0..20))
-            .prop_map(|(flags, epoch, cursor, ops)| Page { flags, epoch, cursor, ops })
+        (
+            0u8..4,
+            any::<u64>(),
+            any::<u64>(),
+            proptest::collection::vec(arb_op(), 0..20),
+        )
+            .prop_map(|(flags, epoch, cursor, ops)| Page {
+                flags,
+                epoch,
+                cursor,
+                ops,
+            })
     }
 
     proptest! {

@@ -58,11 +58,18 @@ pub fn chain(parent: Option<SeqHash>, block: BlockHash) -> SeqHash {
 }
 
 /// Block hashes of every full block of `tokens`.
-pub fn block_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Result<Vec<BlockHash>, HashError> {
+pub fn block_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+) -> Result<Vec<BlockHash>, HashError> {
     if block_size == 0 {
         return Err(HashError::ZeroBlockSize);
     }
-    Ok(tokens.chunks_exact(block_size).map(|b| block_hash(b, seed)).collect())
+    Ok(tokens
+        .chunks_exact(block_size)
+        .map(|b| block_hash(b, seed))
+        .collect())
 }
 
 /// Sequence hashes of every full block of `tokens`, appended to `out` (cleared first), so a
@@ -88,7 +95,11 @@ pub fn sequence_hashes_into(
 }
 
 /// Sequence hashes of every full block of `tokens`.
-pub fn sequence_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Result<Vec<SeqHash>, HashError> {
+pub fn sequence_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+) -> Result<Vec<SeqHash>, HashError> {
     let mut out = Vec::new();
     sequence_hashes_into(tokens, block_size, seed, &mut out)?;
     Ok(out)
@@ -128,8 +139,14 @@ mod tests {
 
     #[test]
     fn zero_block_size_is_an_error() {
-        assert_eq!(sequence_hashes(&[1, 2, 3], 0, BASE_SEED), Err(HashError::ZeroBlockSize));
-        assert_eq!(block_hashes(&[1], 0, BASE_SEED), Err(HashError::ZeroBlockSize));
+        assert_eq!(
+            sequence_hashes(&[1, 2, 3], 0, BASE_SEED),
+            Err(HashError::ZeroBlockSize)
+        );
+        assert_eq!(
+            block_hashes(&[1], 0, BASE_SEED),
+            Err(HashError::ZeroBlockSize)
+        );
     }
 
     #[test]
@@ -143,6 +160,9 @@ mod tests {
     fn sequence_hashes_chain_block_hashes() {
         let tokens: Vec<u32> = (0..64).collect();
         let blocks = block_hashes(&tokens, 16, BASE_SEED).unwrap();
-        assert_eq!(sequence_hashes(&tokens, 16, BASE_SEED).unwrap(), sequence_hashes_of_blocks(&blocks));
+        assert_eq!(
+            sequence_hashes(&tokens, 16, BASE_SEED).unwrap(),
+            sequence_hashes_of_blocks(&blocks)
+        );
     }
 }

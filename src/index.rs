@@ -1,0 +1,804 @@
+//! The in-memory prefix index the collector keeps: KV events in, longest matches out.
+//!
+//! # Layout
+//!
+//! Every (block, worker) hold is one [`Node`] in one arena. A node knows its worker, its scope,
+//! its engine hash, its [`BlockKey`] and its place in the worker's tree (parent, first child,
+//! siblings). Two hash tables hold only `u32` node indices and hash through the arena:
+//!
+//! - `by_key`: a block key → the first node holding it; the other holders of the same key
+//!   follow through `next_same_key`. This answers "who holds this block" ([`HolderView`]).
+//! - each worker's `by_engine`: an engine hash → the worker's node, to resolve parents and
+//!   removals, which engines name by their own hashes.
+//!
+//! So a hold costs one 48-byte node plus two table slots of 4 bytes and a control byte each.
+//!
+//! # Semantics
+//!
+//! - A stored chain's scope is the worker's `(tenant, model)` with the event's LoRA name and
+//!   cache salt; a chain with a parent inherits the parent's scope instead.
+//! - A chain whose parent the worker does not hold is an orphan: counted, not guessed.
+//! - Storing an engine hash the worker already holds adds the event's tier and otherwise
+//!   changes nothing (idempotent); the chain continues from the existing node.
+//! - Removing a tier from a block removes it from the block's descendants too; a block left
+//!   with no tier is dropped with its whole subtree. So the index stays prefix-closed per
+//!   worker: holding block `i` of a chain means holding blocks `0..i`.
+//! - Each hold has a *class*: the worst of its own best tier and its parent's class. Classes
+//!   only worsen along a chain, which keeps per-class matching prefix-closed for the bisection
+//!   in [`lookup`](crate::lookup). [`Change`]s and [`HolderView`] speak in classes.
+//! - A worker holds at most `max_blocks_per_worker` blocks; stores past that are counted and
+//!   dropped, which bounds memory under an event flood.
+
+use hashbrown::{HashMap, HashTable};
+use serde::{Deserialize, Serialize};
+
+use crate::event::{EngineHash, KvEvent, StoredBlock, Tier, WorkerId};
+use crate::hash::{self, SeqHash};
+use crate::lookup::{self, HolderView, TierMask, WalkStats, WorkerMatch};
+use crate::scope::{BlockKey, ScopeId};
+
+const NIL: u32 = u32::MAX;
+/// `parent` of a node in the free list.
+const FREE: u32 = u32::MAX - 1;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexConfig {
+    pub max_blocks_per_worker: usize,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            max_blocks_per_worker: 1 << 22,
+        }
+    }
+}
+
+/// A change of who holds what, as the feed carries it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Change {
+    pub worker: WorkerId,
+    /// The hold's class (see the module doc).
+    pub tier: Tier,
+    pub added: bool,
+    pub key: BlockKey,
+}
+
+/// What one `apply` did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ApplyStats {
+    pub stored: u64,
+    /// Stores of blocks the worker already held in that tier.
+    pub duplicates: u64,
+    pub removed: u64,
+    /// Removals of engine hashes the worker does not hold.
+    pub unknown_removals: u64,
+    /// Blocks whose parent the worker does not hold.
+    pub orphans: u64,
+    /// Blocks dropped because the worker is at its cap.
+    pub capped: u64,
+    /// Blocks whose token count is not the worker's block size.
+    pub bad_blocks: u64,
+    /// Events for a worker the index does not know.
+    pub unknown_worker: u64,
+    pub cleared: u64,
+}
+
+impl ApplyStats {
+    pub fn add(&mut self, o: &ApplyStats) {
+        self.stored += o.stored;
+        self.duplicates += o.duplicates;
+        self.removed += o.removed;
+        self.unknown_removals += o.unknown_removals;
+        self.orphans += o.orphans;
+        self.capped += o.capped;
+        self.bad_blocks += o.bad_blocks;
+        self.unknown_worker += o.unknown_worker;
+        self.cleared += o.cleared;
+    }
+}
+
+/// Sizes of the index, for metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    pub workers: usize,
+    /// Distinct block keys.
+    pub blocks: usize,
+    /// (block, worker) holds.
+    pub holds: usize,
+    pub scopes: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Node {
+    key: BlockKey,
+    engine: EngineHash,
+    parent: u32,
+    first_child: u32,
+    next_sibling: u32,
+    prev_sibling: u32,
+    next_same_key: u32,
+    worker: WorkerId,
+    scope: u32,
+    tiers: TierMask,
+    class: Tier,
+}
+
+#[derive(Clone, Debug)]
+struct Worker {
+    tenant: String,
+    model: String,
+    block_size: u32,
+    by_engine: HashTable<u32>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct ScopeSlot {
+    id: ScopeId,
+    seed: u64,
+    nodes: u32,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Index {
+    config: IndexConfig,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    by_key: HashTable<u32>,
+    workers: Vec<Option<Worker>>,
+    scopes: Vec<ScopeSlot>,
+    scope_ids: HashMap<ScopeId, u32>,
+    free_scopes: Vec<u32>,
+    holds: usize,
+}
+
+/// Keys and engine hashes are already hashes, but engines' own hashes need not be uniform in
+/// the bits hashbrown uses: one multiply spreads them.
+#[inline]
+fn mix(v: u64) -> u64 {
+    (v ^ (v >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+impl Index {
+    pub fn new(config: IndexConfig) -> Index {
+        Index {
+            config,
+            ..Index::default()
+        }
+    }
+
+    pub fn config(&self) -> IndexConfig {
+        self.config
+    }
+
+    /// Registers a worker with its base scope. Registering a known worker again changes
+    /// nothing but its names if they match; the caller checks conflicts (it owns the registry).
+    pub fn add_worker(&mut self, worker: WorkerId, tenant: &str, model: &str, block_size: u32) {
+        let idx = worker.0 as usize;
+        if self.workers.len() <= idx {
+            self.workers.resize_with(idx + 1, || None);
+        }
+        if self.workers[idx].is_none() {
+            self.workers[idx] = Some(Worker {
+                tenant: tenant.to_owned(),
+                model: model.to_owned(),
+                block_size,
+                by_engine: HashTable::new(),
+            });
+        }
+    }
+
+    pub fn has_worker(&self, worker: WorkerId) -> bool {
+        self.worker(worker).is_some()
+    }
+
+    /// Drops a worker and everything it held.
+    pub fn remove_worker(&mut self, worker: WorkerId, changes: &mut Vec<Change>) {
+        self.clear_worker(worker, changes);
+        if let Some(slot) = self.workers.get_mut(worker.0 as usize) {
+            *slot = None;
+        }
+    }
+
+    /// Drops everything a worker holds, keeping its registration.
+    pub fn clear_worker(&mut self, worker: WorkerId, changes: &mut Vec<Change>) -> u64 {
+        let Some(w) = self
+            .workers
+            .get_mut(worker.0 as usize)
+            .and_then(Option::as_mut)
+        else {
+            return 0;
+        };
+        let held: Vec<u32> = w.by_engine.iter().copied().collect();
+        w.by_engine.clear();
+        for &n in &held {
+            self.release(n, changes);
+        }
+        held.len() as u64
+    }
+
+    /// Number of blocks a worker holds.
+    pub fn worker_blocks(&self, worker: WorkerId) -> usize {
+        self.worker(worker).map_or(0, |w| w.by_engine.len())
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        IndexStats {
+            workers: self.workers.iter().flatten().count(),
+            blocks: self.by_key.len(),
+            holds: self.holds,
+            scopes: self.scope_ids.len(),
+        }
+    }
+
+    /// Applies one event of `worker`, appending the resulting holder changes to `changes`.
+    pub fn apply(
+        &mut self,
+        worker: WorkerId,
+        event: &KvEvent,
+        changes: &mut Vec<Change>,
+    ) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        if self.worker(worker).is_none() {
+            stats.unknown_worker += 1;
+            return stats;
+        }
+        match event {
+            KvEvent::BlockStored {
+                parent,
+                blocks,
+                tier,
+                lora_name,
+                cache_salt,
+            } => self.store(
+                worker,
+                *parent,
+                blocks,
+                *tier,
+                lora_name.as_deref(),
+                cache_salt.as_deref(),
+                changes,
+                &mut stats,
+            ),
+            KvEvent::BlockRemoved { hashes, tier } => {
+                for &h in hashes {
+                    match self.find_engine(worker, h) {
+                        Some(n) => {
+                            stats.removed += 1;
+                            self.remove_tier(n, *tier, changes);
+                        }
+                        None => stats.unknown_removals += 1,
+                    }
+                }
+            }
+            KvEvent::AllBlocksCleared => {
+                stats.cleared += self.clear_worker(worker, changes);
+            }
+        }
+        stats
+    }
+
+    /// Every worker's longest match of a query's block keys.
+    pub fn lookup(&self, keys: &[BlockKey]) -> Vec<WorkerMatch> {
+        lookup::longest_matches(self, keys, &mut WalkStats::default())
+    }
+
+    /// Calls `f` for every hold, as the feed's full snapshot needs.
+    pub fn for_each_hold(&self, mut f: impl FnMut(WorkerId, Tier, BlockKey)) {
+        for node in &self.nodes {
+            if node.parent != FREE {
+                f(node.worker, node.class, node.key);
+            }
+        }
+    }
+
+    /// The whole index as plain data, parents before children, for `--state-dir`.
+    pub fn export(&self) -> IndexDump {
+        let mut workers = Vec::new();
+        for (idx, w) in self.workers.iter().enumerate() {
+            let Some(w) = w else { continue };
+            let mut nodes = Vec::with_capacity(w.by_engine.len());
+            // Roots first, then each node's children after it: a pre-order walk.
+            let mut stack: Vec<u32> = w
+                .by_engine
+                .iter()
+                .copied()
+                .filter(|&n| self.nodes[n as usize].parent == NIL)
+                .collect();
+            while let Some(n) = stack.pop() {
+                let node = &self.nodes[n as usize];
+                let scope = &self.scopes[node.scope as usize];
+                nodes.push(NodeDump {
+                    engine: node.engine.0,
+                    parent: (node.parent != NIL).then(|| self.nodes[node.parent as usize].engine.0),
+                    key: node.key.0,
+                    scope: scope.id.0,
+                    seed: scope.seed,
+                    tiers: node.tiers.0,
+                });
+                let mut c = node.first_child;
+                while c != NIL {
+                    stack.push(c);
+                    c = self.nodes[c as usize].next_sibling;
+                }
+            }
+            workers.push(WorkerDump {
+                worker: idx as u32,
+                tenant: w.tenant.clone(),
+                model: w.model.clone(),
+                block_size: w.block_size,
+                nodes,
+            });
+        }
+        IndexDump {
+            version: 1,
+            workers,
+        }
+    }
+
+    /// Rebuilds an index from [`Index::export`]'s output. Nodes whose parent is missing are
+    /// skipped, so a damaged dump yields a smaller index, never an inconsistent one.
+    pub fn import(config: IndexConfig, dump: &IndexDump) -> Index {
+        let mut index = Index::new(config);
+        let mut changes = Vec::new();
+        for w in &dump.workers {
+            let worker = WorkerId(w.worker);
+            index.add_worker(worker, &w.tenant, &w.model, w.block_size);
+            for n in &w.nodes {
+                let parent = match n.parent {
+                    Some(p) => match index.find_engine(worker, EngineHash(p)) {
+                        Some(p) => p,
+                        None => continue,
+                    },
+                    None => NIL,
+                };
+                if index.find_engine(worker, EngineHash(n.engine)).is_some() {
+                    continue;
+                }
+                let scope = index.intern_scope(ScopeId(n.scope), n.seed);
+                let tiers = TierMask(n.tiers & 0b111);
+                let Some(best) = tiers.best() else { continue };
+                let node = index.insert(
+                    worker,
+                    EngineHash(n.engine),
+                    BlockKey(n.key),
+                    parent,
+                    scope,
+                    best,
+                    &mut changes,
+                );
+                index.nodes[node as usize].tiers = tiers;
+                changes.clear();
+            }
+        }
+        index
+    }
+
+    fn worker(&self, worker: WorkerId) -> Option<&Worker> {
+        self.workers.get(worker.0 as usize).and_then(Option::as_ref)
+    }
+
+    fn find_engine(&self, worker: WorkerId, engine: EngineHash) -> Option<u32> {
+        let nodes = &self.nodes;
+        self.worker(worker)?
+            .by_engine
+            .find(mix(engine.0), |&n| nodes[n as usize].engine == engine)
+            .copied()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store(
+        &mut self,
+        worker: WorkerId,
+        parent: Option<EngineHash>,
+        blocks: &[StoredBlock],
+        tier: Tier,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+        changes: &mut Vec<Change>,
+        stats: &mut ApplyStats,
+    ) {
+        let Some(w) = self.worker(worker) else { return };
+        let block_size = w.block_size as usize;
+        let root_scope = ScopeId::of(&w.tenant, &w.model, lora_name, cache_salt);
+        let (mut parent_node, mut scope) = match parent {
+            Some(p) => match self.find_engine(worker, p) {
+                Some(n) => (n, self.nodes[n as usize].scope),
+                None => {
+                    stats.orphans += blocks.len() as u64;
+                    return;
+                }
+            },
+            None => (
+                NIL,
+                self.intern_scope(root_scope, hash::seed(lora_name, cache_salt)),
+            ),
+        };
+        let interned = scope;
+        let ScopeSlot {
+            id: mut scope_id,
+            mut seed,
+            ..
+        } = self.scopes[scope as usize];
+        let mut parent_seq: Option<SeqHash> = None;
+        if parent_node != NIL {
+            parent_seq = Some(self.seq_of(parent_node));
+        }
+        for (i, block) in blocks.iter().enumerate() {
+            if block.tokens.len() != block_size {
+                stats.bad_blocks += (blocks.len() - i) as u64;
+                break;
+            }
+            if let Some(n) = self.find_engine(worker, block.hash) {
+                if self.nodes[n as usize].tiers.contains(tier) {
+                    stats.duplicates += 1;
+                } else {
+                    stats.stored += 1;
+                    self.add_tier(n, tier, changes);
+                }
+                // The chain goes on below a block the worker holds: it inherits that block's
+                // scope, as below any parent.
+                parent_node = n;
+                parent_seq = Some(self.seq_of(n));
+                scope = self.nodes[n as usize].scope;
+                (scope_id, seed) = (
+                    self.scopes[scope as usize].id,
+                    self.scopes[scope as usize].seed,
+                );
+                continue;
+            }
+            if self.worker_blocks(worker) >= self.config.max_blocks_per_worker {
+                stats.capped += (blocks.len() - i) as u64;
+                break;
+            }
+            let seq = hash::chain(parent_seq, hash::block_hash(&block.tokens, seed));
+            let node = self.insert(
+                worker,
+                block.hash,
+                scope_id.key(seq),
+                parent_node,
+                scope,
+                tier,
+                changes,
+            );
+            stats.stored += 1;
+            parent_node = node;
+            parent_seq = Some(seq);
+        }
+        self.release_scope_if_unused(interned);
+    }
+
+    /// Links a new node for `worker` and records its hold.
+    #[allow(clippy::too_many_arguments)]
+    fn insert(
+        &mut self,
+        worker: WorkerId,
+        engine: EngineHash,
+        key: BlockKey,
+        parent: u32,
+        scope: u32,
+        tier: Tier,
+        changes: &mut Vec<Change>,
+    ) -> u32 {
+        let parent_class = if parent == NIL {
+            Tier::Gpu
+        } else {
+            self.nodes[parent as usize].class
+        };
+        let class = parent_class.max(tier);
+        let first_sibling = if parent == NIL {
+            NIL
+        } else {
+            self.nodes[parent as usize].first_child
+        };
+        let node = Node {
+            key,
+            engine,
+            parent,
+            first_child: NIL,
+            next_sibling: first_sibling,
+            prev_sibling: NIL,
+            next_same_key: NIL,
+            worker,
+            scope,
+            tiers: TierMask::of(tier),
+            class,
+        };
+        let n = match self.free.pop() {
+            Some(n) => {
+                self.nodes[n as usize] = node;
+                n
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        if first_sibling != NIL {
+            self.nodes[first_sibling as usize].prev_sibling = n;
+        }
+        if parent != NIL {
+            self.nodes[parent as usize].first_child = n;
+        }
+        self.scopes[scope as usize].nodes += 1;
+        let nodes = &self.nodes;
+        if let Some(w) = self.workers[worker.0 as usize].as_mut() {
+            w.by_engine
+                .insert_unique(mix(engine.0), n, |&m| mix(nodes[m as usize].engine.0));
+        }
+        self.link_key(n);
+        self.holds += 1;
+        changes.push(Change {
+            worker,
+            tier: class,
+            added: true,
+            key,
+        });
+        n
+    }
+
+    fn link_key(&mut self, n: u32) {
+        let key = self.nodes[n as usize].key;
+        let nodes = &self.nodes;
+        match self
+            .by_key
+            .find_mut(mix(key.0), |&m| nodes[m as usize].key == key)
+        {
+            Some(head) => {
+                let old = *head;
+                *head = n;
+                self.nodes[n as usize].next_same_key = old;
+            }
+            None => {
+                self.by_key
+                    .insert_unique(mix(key.0), n, |&m| mix(nodes[m as usize].key.0));
+            }
+        }
+    }
+
+    fn unlink_key(&mut self, n: u32) {
+        let key = self.nodes[n as usize].key;
+        let next = self.nodes[n as usize].next_same_key;
+        let nodes = &self.nodes;
+        let Ok(entry) = self
+            .by_key
+            .find_entry(mix(key.0), |&m| nodes[m as usize].key == key)
+        else {
+            return;
+        };
+        let head = *entry.get();
+        if head == n {
+            if next == NIL {
+                entry.remove();
+            } else {
+                *entry.into_mut() = next;
+            }
+            return;
+        }
+        let mut cur = head;
+        while cur != NIL {
+            let after = self.nodes[cur as usize].next_same_key;
+            if after == n {
+                self.nodes[cur as usize].next_same_key = next;
+                return;
+            }
+            cur = after;
+        }
+    }
+
+    /// Adds a tier to a hold; a better class flows down to the descendants.
+    fn add_tier(&mut self, n: u32, tier: Tier, changes: &mut Vec<Change>) {
+        let node = &mut self.nodes[n as usize];
+        node.tiers = node.tiers.with(tier);
+        self.refresh_classes(n, changes);
+    }
+
+    /// Removes `tier` from `n` and its subtree; drops holds left without a tier, with their
+    /// subtrees.
+    fn remove_tier(&mut self, n: u32, tier: Tier, changes: &mut Vec<Change>) {
+        let subtree = self.subtree(n);
+        for &m in &subtree {
+            let node = &mut self.nodes[m as usize];
+            node.tiers = node.tiers.without(tier);
+        }
+        for &m in &subtree {
+            // Pre-order: a parent is decided before its children. A dropped parent has
+            // already released its whole subtree, marking those nodes free.
+            if self.nodes[m as usize].parent == FREE {
+                continue;
+            }
+            if self.nodes[m as usize].tiers.is_empty() {
+                self.drop_subtree(m, changes);
+            }
+        }
+        if self.nodes[n as usize].parent != FREE {
+            self.refresh_classes(n, changes);
+        }
+    }
+
+    /// Recomputes classes below and at `n`, emitting a change for each hold whose class moved.
+    fn refresh_classes(&mut self, n: u32, changes: &mut Vec<Change>) {
+        let mut stack = vec![n];
+        while let Some(m) = stack.pop() {
+            let node = self.nodes[m as usize];
+            let parent_class = if node.parent == NIL {
+                Tier::Gpu
+            } else {
+                self.nodes[node.parent as usize].class
+            };
+            let Some(best) = node.tiers.best() else {
+                continue;
+            };
+            let class = parent_class.max(best);
+            if class == node.class && m != n {
+                continue;
+            }
+            if class != node.class {
+                changes.push(Change {
+                    worker: node.worker,
+                    tier: node.class,
+                    added: false,
+                    key: node.key,
+                });
+                changes.push(Change {
+                    worker: node.worker,
+                    tier: class,
+                    added: true,
+                    key: node.key,
+                });
+                self.nodes[m as usize].class = class;
+            }
+            let mut c = node.first_child;
+            while c != NIL {
+                stack.push(c);
+                c = self.nodes[c as usize].next_sibling;
+            }
+        }
+    }
+
+    /// `n` and its descendants, parents before children.
+    fn subtree(&self, n: u32) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut stack = vec![n];
+        while let Some(m) = stack.pop() {
+            out.push(m);
+            let mut c = self.nodes[m as usize].first_child;
+            while c != NIL {
+                stack.push(c);
+                c = self.nodes[c as usize].next_sibling;
+            }
+        }
+        out
+    }
+
+    /// Unlinks `n` from its parent and frees it with every descendant.
+    fn drop_subtree(&mut self, n: u32, changes: &mut Vec<Change>) {
+        self.unlink_from_parent(n);
+        for m in self.subtree(n) {
+            let worker = self.nodes[m as usize].worker;
+            let engine = self.nodes[m as usize].engine;
+            let nodes = &self.nodes;
+            if let Some(w) = self.workers[worker.0 as usize].as_mut() {
+                if let Ok(e) = w
+                    .by_engine
+                    .find_entry(mix(engine.0), |&x| nodes[x as usize].engine == engine)
+                {
+                    e.remove();
+                }
+            }
+            self.release(m, changes);
+        }
+    }
+
+    fn unlink_from_parent(&mut self, n: u32) {
+        let Node {
+            parent,
+            prev_sibling,
+            next_sibling,
+            ..
+        } = self.nodes[n as usize];
+        if prev_sibling != NIL {
+            self.nodes[prev_sibling as usize].next_sibling = next_sibling;
+        } else if parent != NIL {
+            self.nodes[parent as usize].first_child = next_sibling;
+        }
+        if next_sibling != NIL {
+            self.nodes[next_sibling as usize].prev_sibling = prev_sibling;
+        }
+    }
+
+    /// Frees one node whose worker-table entry is already gone and whose tree links the
+    /// caller tears down (or drops whole, when the worker's every node goes).
+    fn release(&mut self, n: u32, changes: &mut Vec<Change>) {
+        let node = self.nodes[n as usize];
+        changes.push(Change {
+            worker: node.worker,
+            tier: node.class,
+            added: false,
+            key: node.key,
+        });
+        self.unlink_key(n);
+        self.holds -= 1;
+        let scope = node.scope;
+        self.scopes[scope as usize].nodes -= 1;
+        self.release_scope_if_unused(scope);
+        self.nodes[n as usize].parent = FREE;
+        self.nodes[n as usize].first_child = NIL;
+        self.free.push(n);
+    }
+
+    /// The sequence hash a hold's key was made from.
+    fn seq_of(&self, n: u32) -> SeqHash {
+        let node = &self.nodes[n as usize];
+        self.scopes[node.scope as usize].id.seq(node.key)
+    }
+
+    fn intern_scope(&mut self, id: ScopeId, seed: u64) -> u32 {
+        if let Some(&s) = self.scope_ids.get(&id) {
+            return s;
+        }
+        let slot = ScopeSlot { id, seed, nodes: 0 };
+        let s = match self.free_scopes.pop() {
+            Some(s) => {
+                self.scopes[s as usize] = slot;
+                s
+            }
+            None => {
+                self.scopes.push(slot);
+                (self.scopes.len() - 1) as u32
+            }
+        };
+        self.scope_ids.insert(id, s);
+        s
+    }
+
+    fn release_scope_if_unused(&mut self, s: u32) {
+        let slot = self.scopes[s as usize];
+        if slot.nodes == 0 && self.scope_ids.remove(&slot.id).is_some() {
+            self.free_scopes.push(s);
+        }
+    }
+}
+
+impl HolderView for Index {
+    fn holders(&self, key: BlockKey, out: &mut Vec<(WorkerId, TierMask)>) {
+        let nodes = &self.nodes;
+        let mut n = self
+            .by_key
+            .find(mix(key.0), |&m| nodes[m as usize].key == key)
+            .copied()
+            .unwrap_or(NIL);
+        while n != NIL {
+            let node = &nodes[n as usize];
+            out.push((node.worker, TierMask::of(node.class)));
+            n = node.next_same_key;
+        }
+    }
+}
+
+/// [`Index::export`]'s plain-data form.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexDump {
+    pub version: u32,
+    pub workers: Vec<WorkerDump>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerDump {
+    pub worker: u32,
+    pub tenant: String,
+    pub model: String,
+    pub block_size: u32,
+    /// Parents before children.
+    pub nodes: Vec<NodeDump>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeDump {
+    pub engine: u64,
+    pub parent: Option<u64>,
+    pub key: u64,
+    pub scope: u64,
+    pub seed: u64,
+    pub tiers: u8,
+}

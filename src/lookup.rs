@@ -77,7 +77,11 @@ pub struct WalkStats {
 
 /// Finds every worker's longest prefix match of `keys` (a query's block keys, in order).
 /// Workers holding none of the first block are not reported. Results are sorted by worker.
-pub fn longest_matches(view: &impl HolderView, keys: &[BlockKey], stats: &mut WalkStats) -> Vec<WorkerMatch> {
+pub fn longest_matches(
+    view: &impl HolderView,
+    keys: &[BlockKey],
+    stats: &mut WalkStats,
+) -> Vec<WorkerMatch> {
     let mut matches: Vec<WorkerMatch> = Vec::new();
     if keys.is_empty() {
         return matches;
@@ -101,16 +105,31 @@ pub fn longest_matches(view: &impl HolderView, keys: &[BlockKey], stats: &mut Wa
     let mut candidates: Vec<Candidate> = Vec::with_capacity(buf.len() * 3);
     for &(worker, mask) in &buf {
         let idx = matches.len();
-        matches.push(WorkerMatch { worker, blocks: [0; 3] });
+        matches.push(WorkerMatch {
+            worker,
+            blocks: [0; 3],
+        });
         for class in Tier::ALL {
             if holds_at(mask, class) {
                 matches[idx].blocks[class as usize] = 1;
-                candidates.push(Candidate { idx: idx as u32, class });
+                candidates.push(Candidate {
+                    idx: idx as u32,
+                    class,
+                });
             }
         }
     }
     if keys.len() > 1 {
-        bisect(view, keys, 1, keys.len() - 1, candidates, &mut matches, &mut buf, stats);
+        bisect(
+            view,
+            keys,
+            1,
+            keys.len() - 1,
+            candidates,
+            &mut matches,
+            &mut buf,
+            stats,
+        );
     }
     matches
 }
@@ -196,10 +215,15 @@ mod tests {
             (WorkerId(2), 1, Tier::Disk),
             (WorkerId(3), 0, Tier::Gpu),
         ];
-        let view = Chains { keys: keys.clone(), holds };
+        let view = Chains {
+            keys: keys.clone(),
+            holds,
+        };
         let mut stats = WalkStats::default();
-        let got: HashMap<u32, [u32; 3]> =
-            longest_matches(&view, &keys, &mut stats).into_iter().map(|m| (m.worker.0, m.blocks)).collect();
+        let got: HashMap<u32, [u32; 3]> = longest_matches(&view, &keys, &mut stats)
+            .into_iter()
+            .map(|m| (m.worker.0, m.blocks))
+            .collect();
         assert_eq!(got[&0], [512, 512, 512]);
         assert_eq!(got[&1], [0, 300, 300]);
         assert_eq!(got[&2], [0, 0, 1]);

@@ -6,15 +6,12 @@
 //! with probability 2^-64 per pair, the same odds every 64-bit prefix hash already lives with.
 
 use hashbrown::HashMap;
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::hash::{self, SeqHash};
 
 /// The tenant used when a request or registration names none.
 pub const DEFAULT_TENANT: &str = "default";
-
-/// Seed that separates [`BlockKey`] mixing from the hashing contract's own seeds.
-const KEY_SEED: u64 = 0x6b76_726f_7574_6531; // "kvroute1"
 
 /// A full scope, as named by registrations, events and requests.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
@@ -26,10 +23,19 @@ pub struct Scope {
 }
 
 impl Scope {
-    pub fn new(tenant: &str, model: &str, lora_name: Option<&str>, cache_salt: Option<&str>) -> Self {
+    pub fn new(
+        tenant: &str,
+        model: &str,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Self {
         let none_if_empty = |s: Option<&str>| s.filter(|s| !s.is_empty()).map(str::to_owned);
         Scope {
-            tenant: if tenant.is_empty() { DEFAULT_TENANT.to_owned() } else { tenant.to_owned() },
+            tenant: if tenant.is_empty() {
+                DEFAULT_TENANT.to_owned()
+            } else {
+                tenant.to_owned()
+            },
             model: model.to_owned(),
             lora_name: none_if_empty(lora_name),
             cache_salt: none_if_empty(cache_salt),
@@ -37,7 +43,12 @@ impl Scope {
     }
 
     pub fn id(&self) -> ScopeId {
-        ScopeId::of(&self.tenant, &self.model, self.lora_name.as_deref(), self.cache_salt.as_deref())
+        ScopeId::of(
+            &self.tenant,
+            &self.model,
+            self.lora_name.as_deref(),
+            self.cache_salt.as_deref(),
+        )
     }
 
     /// The hashing-contract seed of this scope's blocks.
@@ -46,7 +57,10 @@ impl Scope {
     }
 
     pub fn model_key(&self) -> ModelKey {
-        ModelKey { tenant: self.tenant.clone(), model: self.model.clone() }
+        ModelKey {
+            tenant: self.tenant.clone(),
+            model: self.model.clone(),
+        }
     }
 }
 
@@ -57,9 +71,23 @@ pub struct ScopeId(pub u64);
 impl ScopeId {
     /// Hashes the four parts, each length-prefixed so that no two scopes share an encoding.
     /// An empty tenant is the default tenant; an empty LoRA name or salt is none.
-    pub fn of(tenant: &str, model: &str, lora_name: Option<&str>, cache_salt: Option<&str>) -> Self {
-        let tenant = if tenant.is_empty() { DEFAULT_TENANT } else { tenant };
-        let parts = [tenant, model, lora_name.unwrap_or(""), cache_salt.unwrap_or("")];
+    pub fn of(
+        tenant: &str,
+        model: &str,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Self {
+        let tenant = if tenant.is_empty() {
+            DEFAULT_TENANT
+        } else {
+            tenant
+        };
+        let parts = [
+            tenant,
+            model,
+            lora_name.unwrap_or(""),
+            cache_salt.unwrap_or(""),
+        ];
         let mut buf = Vec::with_capacity(parts.iter().map(|p| p.len() + 4).sum());
         for part in parts {
             buf.extend_from_slice(&(part.len() as u32).to_le_bytes());
@@ -68,13 +96,19 @@ impl ScopeId {
         ScopeId(xxh3_64(&buf))
     }
 
-    /// The index key of the block that ends the prefix `seq` in this scope.
+    /// The index key of the block that ends the prefix `seq` in this scope. Both parts are
+    /// already uniform 64-bit hashes, so a xor separates scopes as well as rehashing would,
+    /// and it can be undone: the index keeps only keys and recovers sequence hashes with
+    /// [`ScopeId::seq`] to chain children.
     #[inline]
     pub fn key(self, seq: SeqHash) -> BlockKey {
-        let mut buf = [0u8; 16];
-        buf[..8].copy_from_slice(&self.0.to_le_bytes());
-        buf[8..].copy_from_slice(&seq.0.to_le_bytes());
-        BlockKey(xxh3_64_with_seed(&buf, KEY_SEED))
+        BlockKey(seq.0 ^ self.0)
+    }
+
+    /// The sequence hash behind a key of this scope.
+    #[inline]
+    pub fn seq(self, key: BlockKey) -> SeqHash {
+        SeqHash(key.0 ^ self.0)
     }
 }
 
@@ -91,8 +125,15 @@ pub struct ModelKey {
 
 impl ModelKey {
     pub fn new(tenant: &str, model: &str) -> Self {
-        let tenant = if tenant.is_empty() { DEFAULT_TENANT } else { tenant };
-        ModelKey { tenant: tenant.to_owned(), model: model.to_owned() }
+        let tenant = if tenant.is_empty() {
+            DEFAULT_TENANT
+        } else {
+            tenant
+        };
+        ModelKey {
+            tenant: tenant.to_owned(),
+            model: model.to_owned(),
+        }
     }
 }
 
@@ -100,8 +141,15 @@ impl ModelKey {
 pub enum BlockSizeError {
     #[error("block size must be at least 1 token")]
     Zero,
-    #[error("model {model:?} of tenant {tenant:?} already has block size {existing}, not {requested}")]
-    Conflict { tenant: String, model: String, existing: u32, requested: u32 },
+    #[error(
+        "model {model:?} of tenant {tenant:?} already has block size {existing}, not {requested}"
+    )]
+    Conflict {
+        tenant: String,
+        model: String,
+        existing: u32,
+        requested: u32,
+    },
 }
 
 /// The block size of each `(tenant, model)`: the first registration fixes it.
@@ -151,16 +199,31 @@ mod tests {
 
     #[test]
     fn scope_parts_do_not_run_into_each_other() {
-        assert_ne!(ScopeId::of("ab", "c", None, None), ScopeId::of("a", "bc", None, None));
-        assert_ne!(ScopeId::of("t", "m", Some("x"), None), ScopeId::of("t", "m", None, Some("x")));
-        assert_eq!(ScopeId::of("", "m", None, None), ScopeId::of(DEFAULT_TENANT, "m", None, None));
-        assert_eq!(Scope::new("", "m", Some(""), None).id(), ScopeId::of("default", "m", None, None));
+        assert_ne!(
+            ScopeId::of("ab", "c", None, None),
+            ScopeId::of("a", "bc", None, None)
+        );
+        assert_ne!(
+            ScopeId::of("t", "m", Some("x"), None),
+            ScopeId::of("t", "m", None, Some("x"))
+        );
+        assert_eq!(
+            ScopeId::of("", "m", None, None),
+            ScopeId::of(DEFAULT_TENANT, "m", None, None)
+        );
+        assert_eq!(
+            Scope::new("", "m", Some(""), None).id(),
+            ScopeId::of("default", "m", None, None)
+        );
     }
 
     #[test]
     fn same_sequence_in_two_scopes_gets_two_keys() {
         let seq = SeqHash(42);
-        assert_ne!(ScopeId::of("a", "m", None, None).key(seq), ScopeId::of("b", "m", None, None).key(seq));
+        assert_ne!(
+            ScopeId::of("a", "m", None, None).key(seq),
+            ScopeId::of("b", "m", None, None).key(seq)
+        );
     }
 
     #[test]
@@ -170,7 +233,10 @@ mod tests {
         assert_eq!(sizes.register(&key, 0), Err(BlockSizeError::Zero));
         sizes.register(&key, 16).unwrap();
         sizes.register(&key, 16).unwrap();
-        assert!(matches!(sizes.register(&key, 32), Err(BlockSizeError::Conflict { existing: 16, .. })));
+        assert!(matches!(
+            sizes.register(&key, 32),
+            Err(BlockSizeError::Conflict { existing: 16, .. })
+        ));
         sizes.register(&ModelKey::new("other", "m"), 32).unwrap();
         assert_eq!(sizes.get(&key), Some(16));
     }
