@@ -141,7 +141,7 @@ pub fn pick(
                 // Reservoir sampling keeps each of the tied candidates with equal odds; the
                 // one not kept is the runner-up.
                 ties += 1;
-                if rng.next_u64() % (ties + 1) == 0 {
+                if rng.next_u64().is_multiple_of(ties + 1) {
                     best = Some((i, cost));
                     second = Some((b_idx, b));
                 } else if second.is_none_or(|(_, s)| cost <= s) {
