@@ -28,7 +28,10 @@ have_version() {
   local bin
   bin="$(envoy_path)" || return 1
   [ -x "$bin" ] || return 1
-  "$bin" --version 2>/dev/null | grep -q "/$ENVOY_VERSION/"
+  # Capture first: `envoy --version | grep -q` can SIGPIPE envoy and fail under pipefail.
+  local v
+  v="$("$bin" --version 2>/dev/null)" || return 1
+  case "$v" in *"/$ENVOY_VERSION/"*) return 0 ;; *) return 1 ;; esac
 }
 
 if [ ! -x "$venv/bin/python" ]; then
