@@ -88,29 +88,12 @@ class E2E:
 
     def warm(self, engine: K.Engine, tokens: list[int]) -> None:
         """Cache `tokens` on `engine` (direct request) and wait until the collector has them."""
-        r = self.s.completion(engine.url, tokens)
-        check(r.status == 200, f"warm request to {engine.name}: {r.status} {r.body[:200]!r}")
-        full = len(tokens) // BS * BS
-        K.wait_until(lambda: self.s.matched_tokens(tokens, engine) >= full, WARM_TIMEOUT_S,
-                     f"collector to index {full} tokens on {engine.name}")
+        self.s.warm(engine, tokens, timeout=WARM_TIMEOUT_S)
 
     def wait_routed(self, engine: K.Engine, tokens: list[int], tenant: str | None = None) -> None:
-        """Wait until Envoy routes `tokens` to `engine` by cache.
-
-        Probes carry the tokens in the `x-token-ids` header and a body prompt shorter than one
-        block, so a probe caches nothing anywhere (a probe that goes elsewhere cannot create a
-        second holder of the prefix)."""
-        headers = {"x-token-ids": ",".join(map(str, tokens)), "x-model": self.model}
-        if tenant:
-            headers["x-tenant-id"] = tenant
-
-        def routed():
-            r, t = self.send([7, 7, 7], headers=headers)
-            if r.status != 200:
-                return False
-            return self.first_dest(self.log_of(t)) == engine.address
-        K.wait_until(routed, ROUTE_TIMEOUT_S, f"Envoy to route by cache to {engine.name}",
-                     interval=0.1)
+        """Wait until Envoy routes `tokens` to `engine` by cache (header probes that cache
+        nothing: see Stack.routed_to)."""
+        self.s.wait_routed(engine, tokens, tenant=tenant, timeout=ROUTE_TIMEOUT_S)
 
     def warm_and_wait(self, engine: K.Engine, tokens: list[int]) -> None:
         self.warm(engine, tokens)

@@ -389,8 +389,8 @@ class Stack:
                 "--name", e.name,
                 "--model", self.cfg.model,
                 "--block-size", str(self.cfg.block_size),
-                "--kv-events", e.endpoint,
-                "--kv-replay", e.replay_endpoint,
+                "--kv-events-endpoint", e.endpoint,
+                "--kv-events-replay-endpoint", e.replay_endpoint,
                 *self.cfg.engine_args]
 
     def start_engine(self, e: Engine, wait: bool = True) -> None:
@@ -539,6 +539,39 @@ class Stack:
         if body is None:
             body = {"model": self.cfg.model, "prompt": tokens, "max_tokens": max_tokens, **fields}
         return http("POST", base_url + path, body, headers=extra_headers, timeout=timeout)
+
+    def warm(self, engine: Engine, tokens: list[int], timeout: float = 20.0) -> None:
+        """Cache `tokens` on `engine` (a request straight to it, bypassing Envoy) and wait
+        until the collector's /query reports every full block of them on that engine."""
+        r = self.completion(engine.url, tokens)
+        if r.status != 200:
+            raise RuntimeError(f"warm request to {engine.name}: {r.status} {r.body[:200]!r}")
+        full = len(tokens) // self.cfg.block_size * self.cfg.block_size
+        wait_until(lambda: self.matched_tokens(tokens, engine) >= full, timeout,
+                   f"collector to index {full} tokens on {engine.name}")
+
+    def routed_to(self, tokens: list[int], tenant: str | None = None) -> str | None:
+        """Where Envoy's kvroute listener routes `tokens` now: the first address of the
+        destination header the filter set (from the access log), or None (failed open).
+
+        The probe carries the tokens in the `x-token-ids` header and a body prompt shorter
+        than one block, so it caches nothing on whichever engine serves it."""
+        test_id = "probe-" + os.urandom(6).hex()
+        headers = {"x-token-ids": ",".join(map(str, tokens)), "x-model": self.cfg.model,
+                   "x-kvroute-test-id": test_id}
+        if tenant:
+            headers["x-tenant-id"] = tenant
+        r = self.completion(self.kvroute_url, [7, 7, 7], extra_headers=headers)
+        if r.status != 200:
+            return None
+        d = self.access_log_for(test_id).get("dest")
+        return str(d).split(",")[0].strip() if d and d != "-" else None
+
+    def wait_routed(self, engine: Engine, tokens: list[int], tenant: str | None = None,
+                    timeout: float = 20.0) -> None:
+        """Wait until the filter's index routes `tokens` to `engine`."""
+        wait_until(lambda: self.routed_to(tokens, tenant) == engine.address, timeout,
+                   f"Envoy to route by cache to {engine.name}", interval=0.1)
 
     def served_by(self, r: Resp) -> Engine | None:
         name = r.headers.get("x-kvroute-sim-engine")

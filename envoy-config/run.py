@@ -220,7 +220,7 @@ def cmd_demo(args) -> int:
     doc = {
         "trace": str(args.trace), "limit": args.limit, "speed": args.speed,
         "engines": args.engines,
-        "note": "TTFT in wall-clock ms at the replay speed; multiply by speed for simulated time",
+        "note": "TTFT in simulated ms (kvroute-sim replay multiplies measured times by the speed)",
         "policies": results,
     }
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
