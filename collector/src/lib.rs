@@ -1,1 +1,299 @@
-//! kvroute collector (see issue 3).
+//! kvroute-collector: the native companion of the kvroute filter.
+//!
+//! It subscribes to the KV events of vLLM and SGLang engines over ZMQ, keeps the prefix index
+//! (the core's [`kvroute::index::Index`]), and serves the indexer HTTP API and the binary feed
+//! the filter pulls (DESIGN.md, "KV events in", "HTTP API of the collector").
+//!
+//! # Layout
+//!
+//! - [`zmq`]: one subscriber task per registered worker; sequence tracking, replay, restarts.
+//! - [`decode`]: msgpack batches of every engine version → normalized events.
+//! - [`chunk`]: SGLang pages → blocks of the registered size.
+//! - [`hub`]: the state behind one lock: worker table, index, feed log; apply and query.
+//! - [`feedlog`]: the bounded delta log and paged snapshots of `/v1/feed`.
+//! - [`api`]: the axum handlers, `app(state) -> Router`.
+//! - [`state`]: `--state-dir` snapshots.
+//! - [`config`]: command line and config file.
+//! - [`testing`]: an engine-like publisher (PUB + replay ROUTER) for tests and benchmarks.
+//!
+//! It must not hold the hub's lock across an `.await`, and must not let one engine's bad
+//! input cost more than that input.
+
+pub mod api;
+pub mod chunk;
+pub mod config;
+pub mod decode;
+pub mod feedlog;
+pub mod hub;
+pub mod metrics;
+pub mod state;
+pub mod testing;
+pub mod wire;
+pub mod zmq;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use kvroute::event::WorkerId;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tracing::{error, info, warn};
+
+pub use api::app;
+pub use config::Config;
+use hub::{Hub, HubConfig, HubError, Registered};
+use metrics::Metrics;
+
+/// Errors of starting or running the collector.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("worker {spec}: {source}")]
+    Worker { spec: String, source: HubError },
+    #[error("serving HTTP: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Everything the HTTP handlers and the subscriber tasks share.
+#[derive(Debug)]
+pub struct Shared {
+    pub config: Config,
+    /// The one lock of the collector's state. `std` lock: every critical section is short and
+    /// synchronous, never across an `.await`.
+    pub hub: RwLock<Hub>,
+    pub metrics: Metrics,
+    subscribers: Mutex<HashMap<WorkerId, JoinHandle<()>>>,
+    /// Bumped after every change the subscribers make, so tests and tools can wait for one.
+    changed: tokio::sync::watch::Sender<u64>,
+}
+
+/// The axum state.
+pub type AppState = Arc<Shared>;
+
+impl Shared {
+    /// A collector state with an empty index and a fresh feed epoch.
+    pub fn new(config: Config) -> AppState {
+        let hub = Hub::new(hub_config(&config), new_epoch());
+        let (changed, _) = tokio::sync::watch::channel(0);
+        Arc::new(Shared {
+            config,
+            hub: RwLock::new(hub),
+            metrics: Metrics::new(),
+            subscribers: Mutex::new(HashMap::new()),
+            changed,
+        })
+    }
+
+    pub fn read(&self) -> RwLockReadGuard<'_, Hub> {
+        self.hub.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn write(&self) -> RwLockWriteGuard<'_, Hub> {
+        self.hub.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn notify(&self) {
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// A receiver that sees a new value after every applied batch or status change.
+    pub fn subscribe_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// Waits until `cond` holds for the hub, or `deadline` passes; returns whether it held.
+    pub async fn wait_until(
+        &self,
+        deadline: std::time::Duration,
+        mut cond: impl FnMut(&Hub) -> bool,
+    ) -> bool {
+        let mut rx = self.subscribe_changes();
+        let until = tokio::time::Instant::now() + deadline;
+        loop {
+            if cond(&self.read()) {
+                return true;
+            }
+            match tokio::time::timeout_at(until, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return cond(&self.read()),
+            }
+        }
+    }
+
+    /// Registers a worker and starts its subscriber when it is new.
+    ///
+    /// # Errors
+    /// See [`Hub::register`].
+    pub fn register(self: &Arc<Self>, req: wire::RegisterRequest) -> Result<Registered, HubError> {
+        let outcome = self.write().register(req)?;
+        if let Registered::New(id) = outcome {
+            self.start_subscriber(id, None);
+        }
+        Ok(outcome)
+    }
+
+    /// Unregisters workers and stops their subscribers.
+    ///
+    /// # Errors
+    /// See [`Hub::unregister`].
+    pub fn unregister(&self, req: &wire::UnregisterRequest) -> Result<usize, HubError> {
+        let removed = self.write().unregister(req)?;
+        let mut subs = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
+        for id in &removed {
+            if let Some(task) = subs.remove(id) {
+                task.abort();
+            }
+        }
+        Ok(removed.len())
+    }
+
+    fn start_subscriber(self: &Arc<Self>, id: WorkerId, last_seq: Option<u64>) {
+        let Some(sub) = zmq::Subscriber::new(self.clone(), id, last_seq) else {
+            return;
+        };
+        let task = tokio::spawn(sub.run());
+        if let Some(old) = self
+            .subscribers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, task)
+        {
+            old.abort();
+        }
+    }
+
+    /// Stops every subscriber.
+    pub fn stop_subscribers(&self) {
+        for (_, task) in self
+            .subscribers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+        {
+            task.abort();
+        }
+    }
+}
+
+fn hub_config(c: &Config) -> HubConfig {
+    HubConfig {
+        max_blocks_per_worker: c.max_blocks_per_worker,
+        max_pages_per_worker: c.max_pages_per_worker,
+        default_serving_port: c.default_serving_port,
+        max_query_tokens: c.max_query_tokens,
+        feed_log_entries: c.feed_log_entries,
+        max_feed_bytes: c.max_feed_bytes,
+    }
+}
+
+/// A feed epoch no earlier run had: the start time in nanoseconds.
+fn new_epoch() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
+}
+
+/// Builds the collector's state: loads `--state-dir` when set, registers the `--worker`s, and
+/// starts every subscriber (restored ones replay from their last sequence number + 1).
+///
+/// # Errors
+/// A `--worker` that is invalid or conflicts.
+pub fn start(config: Config) -> Result<AppState, Error> {
+    let shared = Shared::new(config);
+    let mut resume = Vec::new();
+    if let Some(dir) = &shared.config.state_dir {
+        match state::load(dir) {
+            Ok(Some(saved)) => {
+                let mut hub = Hub::new(hub_config(&shared.config), shared.read().feed.epoch());
+                match hub.import(saved) {
+                    Ok(workers) => {
+                        info!(dir = %dir.display(), workers = workers.len(), "state loaded");
+                        *shared.write() = hub;
+                        resume = workers;
+                    }
+                    Err(e) => {
+                        error!(dir = %dir.display(), error = %e, "state snapshot is inconsistent; ignored")
+                    }
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                error!(dir = %dir.display(), error = %e, "state snapshot unreadable; ignored")
+            }
+        }
+    }
+    for (id, last_seq) in resume {
+        shared.start_subscriber(id, last_seq);
+    }
+    for req in shared.config.workers.clone() {
+        let spec = format!("{}/{}", req.instance_id, req.dp_rank.unwrap_or(0));
+        shared
+            .register(req)
+            .map_err(|source| Error::Worker { spec, source })?;
+    }
+    Ok(shared)
+}
+
+/// Runs the collector on a bound listener until `shutdown` resolves, then stops the
+/// subscribers and writes the final state snapshot.
+///
+/// # Errors
+/// A bad `--worker`, or the HTTP server failing.
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let shared = start(config)?;
+    serve(listener, shared, shutdown).await
+}
+
+/// Serves an already started collector (see [`start`]) until `shutdown` resolves.
+///
+/// # Errors
+/// The HTTP server failing.
+pub async fn serve(
+    listener: TcpListener,
+    shared: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let snapshots = shared.config.state_dir.clone().map(|dir| {
+        let shared = shared.clone();
+        let every = shared
+            .config
+            .snapshot_interval
+            .max(std::time::Duration::from_millis(100));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                save_state(&shared, &dir).await;
+            }
+        })
+    });
+    info!(addr = %listener.local_addr()?, "serving");
+    let result = axum::serve(listener, app(shared.clone()))
+        .with_graceful_shutdown(shutdown)
+        .await;
+    if let Some(task) = snapshots {
+        task.abort();
+    }
+    shared.stop_subscribers();
+    if let Some(dir) = shared.config.state_dir.clone() {
+        save_state(&shared, &dir).await;
+    }
+    result.map_err(Error::Io)
+}
+
+async fn save_state(shared: &AppState, dir: &std::path::Path) {
+    // Export under the read lock, serialize and write outside it.
+    let state = shared.read().export();
+    let dir = dir.to_owned();
+    match tokio::task::spawn_blocking(move || state::save(&dir, &state)).await {
+        Ok(Ok(bytes)) => tracing::debug!(bytes, "state saved"),
+        Ok(Err(e)) => warn!(error = %e, "state snapshot not written"),
+        Err(e) => warn!(error = %e, "state snapshot task failed"),
+    }
+}

@@ -1,0 +1,340 @@
+//! The HTTP API (DESIGN.md, "HTTP API of the collector"), as `fn app(state) -> Router` with no
+//! sockets inside.
+//!
+//! Every error is a 4xx (or 5xx) with `{"error": "..."}` naming the problem: bodies are read as
+//! bytes and parsed here, so malformed JSON, wrong types, oversized bodies and bad query
+//! strings all get the same JSON shape. Admin endpoints (`/register`, `/unregister`) require
+//! `Authorization: Bearer <admin token>` and read endpoints (`/query*`, `/workers`, `/v1/feed`)
+//! the read token, when the collector has one. `/health` and `/metrics` are open.
+
+use std::time::{Duration, Instant};
+
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
+use crate::hub::{HubError, Registered};
+use crate::metrics::{EndpointLabels, FeedLabels};
+use crate::wire::{
+    ErrorBody, QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest,
+};
+use crate::AppState;
+
+/// Content type of `/v1/feed` pages.
+pub const FEED_CONTENT_TYPE: &str = "application/x-kvroute-feed";
+
+/// An error answer: a status and a message for `{"error": ...}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            Json(ErrorBody {
+                error: self.message,
+            }),
+        )
+            .into_response()
+    }
+}
+
+impl From<HubError> for ApiError {
+    fn from(e: HubError) -> ApiError {
+        let status = match &e {
+            HubError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            HubError::Conflict(_) => StatusCode::CONFLICT,
+            HubError::NotFound(_) => StatusCode::NOT_FOUND,
+            HubError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+        };
+        ApiError::new(status, e.to_string())
+    }
+}
+
+/// Builds the router over a collector state.
+pub fn app(state: AppState) -> Router {
+    let admin = Router::new()
+        .route("/register", post(register))
+        .route("/unregister", post(unregister))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_admin));
+    let read = Router::new()
+        .route("/workers", get(workers))
+        .route("/query", post(query))
+        .route("/query_by_hash", post(query_by_hash))
+        .route("/v1/feed", get(feed))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_read));
+    let open = Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics));
+    Router::new()
+        .merge(admin)
+        .merge(read)
+        .merge(open)
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
+        .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .layer(middleware::from_fn(log_server_errors))
+        .layer(tower::limit::ConcurrencyLimitLayer::new(
+            state.config.max_concurrent_requests,
+        ))
+        .with_state(state)
+}
+
+/// Logs each 5xx once; 4xx are the client's business.
+async fn log_server_errors(req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_owned();
+    let res = next.run(req).await;
+    if res.status().is_server_error() {
+        tracing::error!(path, status = res.status().as_u16(), "request failed");
+    }
+    res
+}
+
+fn bearer_ok(headers: &HeaderMap, token: &str) -> bool {
+    let Some(v) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let Some(given) = v
+        .strip_prefix("Bearer ")
+        .or_else(|| v.strip_prefix("bearer "))
+    else {
+        return false;
+    };
+    // Constant time in the token's length.
+    given.len() == token.len()
+        && given
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+async fn require_admin(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    match &state.config.admin_token {
+        Some(t) if !bearer_ok(req.headers(), t) => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "admin endpoint: missing or wrong bearer token",
+        )
+        .into_response(),
+        _ => next.run(req).await,
+    }
+}
+
+async fn require_read(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    match &state.config.read_token {
+        Some(t) if !bearer_ok(req.headers(), t) => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "read endpoint: missing or wrong bearer token",
+        )
+        .into_response(),
+        _ => next.run(req).await,
+    }
+}
+
+/// Parses a JSON body, naming what is wrong with it.
+fn json<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|rej| {
+        let status = rej.status();
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(status, "request body is too large")
+        } else {
+            ApiError::new(
+                status,
+                format!("cannot read the request body: {}", rej.body_text()),
+            )
+        }
+    })?;
+    serde_json::from_slice(&body).map_err(|e| {
+        use serde_json::error::Category;
+        let what = match e.classify() {
+            Category::Syntax | Category::Eof => "malformed JSON",
+            Category::Data => "invalid request",
+            Category::Io => "cannot read the request body",
+        };
+        ApiError::new(StatusCode::BAD_REQUEST, format!("{what}: {e}"))
+    })
+}
+
+async fn register(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: RegisterRequest = json(body)?;
+    let outcome = state.register(req)?;
+    let (Registered::New(id) | Registered::Same(id)) = outcome;
+    let view = state
+        .read()
+        .worker_views()
+        .into_iter()
+        .find(|w| w.worker_id == id.0);
+    Ok((StatusCode::CREATED, Json(view)).into_response())
+}
+
+async fn unregister(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: UnregisterRequest = json(body)?;
+    let removed = state.unregister(&req)?;
+    Ok(Json(serde_json::json!({ "removed": removed })).into_response())
+}
+
+async fn workers(State(state): State<AppState>) -> Response {
+    let views = state.read().worker_views();
+    Json(serde_json::json!({ "workers": views })).into_response()
+}
+
+async fn query(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let req: QueryRequest = json(body)?;
+    let res = state.read().query_tokens(
+        &req.token_ids,
+        &req.model_name,
+        req.tenant_id.as_deref(),
+        req.lora_name.as_deref(),
+        req.cache_salt.as_deref(),
+    )?;
+    let out = Json(res).into_response();
+    observe(&state, "query", started.elapsed());
+    Ok(out)
+}
+
+async fn query_by_hash(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let req: QueryByHashRequest = json(body)?;
+    let res = state.read().query_hashes(
+        req.block_hashes.as_deref(),
+        req.seq_hashes.as_deref(),
+        &req.model_name,
+        req.tenant_id.as_deref(),
+        req.lora_name.as_deref(),
+        req.cache_salt.as_deref(),
+    )?;
+    let out = Json(res).into_response();
+    observe(&state, "query_by_hash", started.elapsed());
+    Ok(out)
+}
+
+fn observe(state: &AppState, endpoint: &'static str, took: Duration) {
+    state
+        .metrics
+        .query_seconds
+        .get_or_create(&EndpointLabels { endpoint })
+        .observe(took.as_secs_f64());
+}
+
+/// `GET /v1/feed` query string.
+#[derive(Debug, Deserialize)]
+pub struct FeedParams {
+    pub epoch: Option<u64>,
+    pub since: Option<u64>,
+}
+
+async fn feed(
+    State(state): State<AppState>,
+    params: Result<Query<FeedParams>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(p) = params.map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "bad query string (want epoch=U64&since=U64): {}",
+                e.body_text()
+            ),
+        )
+    })?;
+    let cached = state.read().feed_reply(p.epoch, p.since);
+    let (bytes, kind) = match cached {
+        Some(b) => {
+            let kind = if b
+                .get(5)
+                .is_some_and(|f| f & kvroute::feed::Page::RESET != 0)
+            {
+                "snapshot"
+            } else {
+                "delta"
+            };
+            (b, kind)
+        }
+        None => {
+            let mut hub = state.write();
+            // Another request may have built it meanwhile.
+            let b = match hub.feed_reply(p.epoch, p.since) {
+                Some(b) => b,
+                None => {
+                    hub.build_snapshot();
+                    hub.feed_reply(p.epoch, p.since).ok_or_else(|| {
+                        ApiError::new(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            "feed snapshot unavailable",
+                        )
+                    })?
+                }
+            };
+            (b, "snapshot")
+        }
+    };
+    state
+        .metrics
+        .feed_requests
+        .get_or_create(&FeedLabels { kind })
+        .inc();
+    state.metrics.feed_bytes.inc_by(bytes.len() as u64);
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(FEED_CONTENT_TYPE),
+        )],
+        bytes,
+    )
+        .into_response())
+}
+
+async fn health(State(state): State<AppState>) -> Response {
+    let hub = state.read();
+    let workers = hub.workers().count();
+    let connected = hub.workers().filter(|w| w.status.connected).count();
+    let epoch = hub.feed.epoch();
+    drop(hub);
+    Json(serde_json::json!({ "status": "ok", "workers": workers, "connected": connected, "epoch": epoch })).into_response()
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    state.read().update_gauges(&state.metrics);
+    let body = state.metrics.encode();
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        )],
+        body,
+    )
+        .into_response()
+}

@@ -1,0 +1,423 @@
+//! Command line and config file (DESIGN.md, "Collector command line").
+//!
+//! `--config FILE` reads a TOML file with the same settings (snake_case keys); flags given on
+//! the command line win over the file. The raw settings are then [`validate`](RawConfig)d into
+//! a [`Config`], whose errors name the setting.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use serde::Deserialize;
+
+use crate::wire::RegisterRequest;
+
+/// `--listen` default: loopback only.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:9090";
+
+/// The collector's command line. Every flag can also be set in the `--config` file.
+#[derive(Clone, Debug, Default, Parser)]
+#[command(
+    name = "kvroute-collector",
+    version,
+    about = "kvroute collector: subscribes to vLLM/SGLang KV events over ZMQ, keeps the prefix index, serves the indexer HTTP API and the filter feed."
+)]
+pub struct Cli {
+    /// TOML file with the same settings as the flags (snake_case keys, `worker = [SPEC, ...]`); flags win.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Address to serve HTTP on [default: 127.0.0.1:9090, loopback only].
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// Bearer token required on /register and /unregister.
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        env = "KVROUTE_ADMIN_TOKEN",
+        hide_env_values = true
+    )]
+    pub admin_token: Option<String>,
+    /// Bearer token required on /query, /query_by_hash, /workers and /v1/feed.
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        env = "KVROUTE_READ_TOKEN",
+        hide_env_values = true
+    )]
+    pub read_token: Option<String>,
+    /// Directory for the state snapshot (registrations, index, last seq per worker), written periodically and on shutdown, loaded on start.
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Serving port used to derive a worker's address from the IP of its ZMQ endpoint.
+    #[arg(long, value_name = "PORT")]
+    pub default_serving_port: Option<u16>,
+    /// Register a worker at start: instance_id=A,endpoint=tcp://IP:PORT,model=M,block_size=N[,address=IP:PORT][,dp_rank=R][,replay=tcp://...][,tenant=T][,lora=L][,cache_salt=S]. Repeatable.
+    #[arg(long = "worker", value_name = "SPEC")]
+    pub workers: Vec<String>,
+    /// Most blocks one worker may hold; stores past it are dropped and counted [default: 4194304].
+    #[arg(long, value_name = "N")]
+    pub max_blocks_per_worker: Option<usize>,
+    /// Largest HTTP request body, bytes [default: 4194304].
+    #[arg(long, value_name = "BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Most token ids (or hashes) one query may carry [default: 262144].
+    #[arg(long, value_name = "N")]
+    pub max_query_tokens: Option<usize>,
+    /// Entries kept in the feed log; readers further behind get a snapshot [default: 1000000].
+    #[arg(long, value_name = "N")]
+    pub feed_log_entries: Option<usize>,
+    /// Largest /v1/feed page, bytes [default: 1048576].
+    #[arg(long, value_name = "BYTES")]
+    pub max_feed_bytes: Option<usize>,
+    /// How long a disconnected worker keeps its blocks before they are dropped, seconds [default: 60].
+    #[arg(long, value_name = "SECS")]
+    pub keep_disconnected_secs: Option<f64>,
+    /// How long a replay may take before it is given up, seconds [default: 5].
+    #[arg(long, value_name = "SECS")]
+    pub replay_timeout_secs: Option<f64>,
+    /// Interval between state snapshots with --state-dir, seconds [default: 30].
+    #[arg(long, value_name = "SECS")]
+    pub snapshot_interval_secs: Option<f64>,
+    /// Most HTTP requests served at once [default: 1024].
+    #[arg(long, value_name = "N")]
+    pub max_concurrent_requests: Option<usize>,
+}
+
+/// The `--config` file.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub listen: Option<SocketAddr>,
+    pub admin_token: Option<String>,
+    pub read_token: Option<String>,
+    pub state_dir: Option<PathBuf>,
+    pub default_serving_port: Option<u16>,
+    #[serde(default, alias = "workers")]
+    pub worker: Vec<String>,
+    pub max_blocks_per_worker: Option<usize>,
+    pub max_body_bytes: Option<usize>,
+    pub max_query_tokens: Option<usize>,
+    pub feed_log_entries: Option<usize>,
+    pub max_feed_bytes: Option<usize>,
+    pub keep_disconnected_secs: Option<f64>,
+    pub replay_timeout_secs: Option<f64>,
+    pub snapshot_interval_secs: Option<f64>,
+    pub max_concurrent_requests: Option<usize>,
+}
+
+/// The validated settings.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// HTTP listen address.
+    pub listen: SocketAddr,
+    pub admin_token: Option<String>,
+    pub read_token: Option<String>,
+    pub state_dir: Option<PathBuf>,
+    pub default_serving_port: Option<u16>,
+    /// Workers registered at start.
+    pub workers: Vec<RegisterRequest>,
+    pub max_blocks_per_worker: usize,
+    /// Page records the SGLang re-chunker keeps per worker.
+    pub max_pages_per_worker: usize,
+    pub max_body_bytes: usize,
+    pub max_query_tokens: usize,
+    pub feed_log_entries: usize,
+    pub max_feed_bytes: usize,
+    pub keep_disconnected: Duration,
+    pub replay_timeout: Duration,
+    pub snapshot_interval: Duration,
+    pub max_concurrent_requests: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: DEFAULT_LISTEN.parse().expect("valid default"),
+            admin_token: None,
+            read_token: None,
+            state_dir: None,
+            default_serving_port: None,
+            workers: Vec::new(),
+            max_blocks_per_worker: 1 << 22,
+            max_pages_per_worker: 1 << 22,
+            max_body_bytes: 4 << 20,
+            max_query_tokens: 1 << 18,
+            feed_log_entries: 1_000_000,
+            max_feed_bytes: 1 << 20,
+            keep_disconnected: Duration::from_secs(60),
+            replay_timeout: Duration::from_secs(5),
+            snapshot_interval: Duration::from_secs(30),
+            max_concurrent_requests: 1024,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("--config {path}: {msg}")]
+    File { path: String, msg: String },
+    #[error("--worker {spec:?}: {msg}")]
+    Worker { spec: String, msg: String },
+    #[error("--{flag}: {msg}")]
+    Value { flag: &'static str, msg: String },
+}
+
+impl Cli {
+    /// Merges the `--config` file under the flags and validates the result.
+    ///
+    /// # Errors
+    /// An unreadable or invalid file, a bad worker spec or an out-of-range value.
+    pub fn into_config(self) -> Result<Config, ConfigError> {
+        let file = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+                    path: path.display().to_string(),
+                    msg: e.to_string(),
+                })?;
+                toml::from_str::<FileConfig>(&text).map_err(|e| ConfigError::File {
+                    path: path.display().to_string(),
+                    msg: e.to_string(),
+                })?
+            }
+            None => FileConfig::default(),
+        };
+        let d = Config::default();
+        let secs = |flag: &'static str,
+                    v: Option<f64>,
+                    default: Duration|
+         -> Result<Duration, ConfigError> {
+            match v {
+                None => Ok(default),
+                Some(s) if s.is_finite() && s >= 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+                Some(s) => Err(ConfigError::Value {
+                    flag,
+                    msg: format!("{s} is not a number of seconds"),
+                }),
+            }
+        };
+        let positive =
+            |flag: &'static str, v: Option<usize>, default: usize| -> Result<usize, ConfigError> {
+                match v {
+                    None => Ok(default),
+                    Some(0) => Err(ConfigError::Value {
+                        flag,
+                        msg: "must be at least 1".into(),
+                    }),
+                    Some(n) => Ok(n),
+                }
+            };
+        let mut specs = file.worker.clone();
+        specs.extend(self.workers.iter().cloned());
+        let workers = specs
+            .iter()
+            .map(|s| parse_worker_spec(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let max_blocks_per_worker = positive(
+            "max-blocks-per-worker",
+            self.max_blocks_per_worker.or(file.max_blocks_per_worker),
+            d.max_blocks_per_worker,
+        )?;
+        Ok(Config {
+            listen: self.listen.or(file.listen).unwrap_or(d.listen),
+            admin_token: self
+                .admin_token
+                .or(file.admin_token)
+                .filter(|t| !t.is_empty()),
+            read_token: self
+                .read_token
+                .or(file.read_token)
+                .filter(|t| !t.is_empty()),
+            state_dir: self.state_dir.or(file.state_dir),
+            default_serving_port: self.default_serving_port.or(file.default_serving_port),
+            workers,
+            max_blocks_per_worker,
+            max_pages_per_worker: max_blocks_per_worker,
+            max_body_bytes: positive(
+                "max-body-bytes",
+                self.max_body_bytes.or(file.max_body_bytes),
+                d.max_body_bytes,
+            )?,
+            max_query_tokens: positive(
+                "max-query-tokens",
+                self.max_query_tokens.or(file.max_query_tokens),
+                d.max_query_tokens,
+            )?,
+            feed_log_entries: positive(
+                "feed-log-entries",
+                self.feed_log_entries.or(file.feed_log_entries),
+                d.feed_log_entries,
+            )?,
+            max_feed_bytes: positive(
+                "max-feed-bytes",
+                self.max_feed_bytes.or(file.max_feed_bytes),
+                d.max_feed_bytes,
+            )?,
+            keep_disconnected: secs(
+                "keep-disconnected-secs",
+                self.keep_disconnected_secs.or(file.keep_disconnected_secs),
+                d.keep_disconnected,
+            )?,
+            replay_timeout: secs(
+                "replay-timeout-secs",
+                self.replay_timeout_secs.or(file.replay_timeout_secs),
+                d.replay_timeout,
+            )?,
+            snapshot_interval: secs(
+                "snapshot-interval-secs",
+                self.snapshot_interval_secs.or(file.snapshot_interval_secs),
+                d.snapshot_interval,
+            )?,
+            max_concurrent_requests: positive(
+                "max-concurrent-requests",
+                self.max_concurrent_requests
+                    .or(file.max_concurrent_requests),
+                d.max_concurrent_requests,
+            )?,
+        })
+    }
+}
+
+/// Parses a `--worker` SPEC into the registration it stands for.
+///
+/// # Errors
+/// An unknown or repeated key, a missing `instance_id`/`endpoint`/`model`/`block_size`, or a
+/// number that does not parse.
+pub fn parse_worker_spec(spec: &str) -> Result<RegisterRequest, ConfigError> {
+    let err = |msg: String| ConfigError::Worker {
+        spec: spec.to_owned(),
+        msg,
+    };
+    let mut kv: Vec<(&str, &str)> = Vec::new();
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = part
+            .split_once('=')
+            .ok_or_else(|| err(format!("{part:?} is not key=value")))?;
+        if kv.iter().any(|(seen, _)| *seen == k) {
+            return Err(err(format!("{k} given twice")));
+        }
+        kv.push((k.trim(), v.trim()));
+    }
+    let get = |names: &[&str]| {
+        kv.iter()
+            .find(|(k, _)| names.contains(k))
+            .map(|(_, v)| v.to_string())
+    };
+    const KNOWN: &[&str] = &[
+        "instance_id",
+        "instance",
+        "endpoint",
+        "model",
+        "model_name",
+        "block_size",
+        "address",
+        "dp_rank",
+        "replay",
+        "replay_endpoint",
+        "tenant",
+        "tenant_id",
+        "lora",
+        "lora_name",
+        "cache_salt",
+        "salt",
+    ];
+    if let Some((k, _)) = kv.iter().find(|(k, _)| !KNOWN.contains(k)) {
+        return Err(err(format!("unknown key {k:?}")));
+    }
+    let need = |names: &[&str]| get(names).ok_or_else(|| err(format!("{} is required", names[0])));
+    let block_size = need(&["block_size"])?;
+    let block_size: u32 = block_size
+        .parse()
+        .map_err(|_| err(format!("block_size {block_size:?} is not a number")))?;
+    let dp_rank = match get(&["dp_rank"]) {
+        Some(d) => Some(
+            d.parse::<u32>()
+                .map_err(|_| err(format!("dp_rank {d:?} is not a number")))?,
+        ),
+        None => None,
+    };
+    Ok(RegisterRequest {
+        instance_id: need(&["instance_id", "instance"])?,
+        endpoint: need(&["endpoint"])?,
+        replay_endpoint: get(&["replay", "replay_endpoint"]),
+        model_name: need(&["model", "model_name"])?,
+        tenant_id: get(&["tenant", "tenant_id"]),
+        block_size,
+        dp_rank,
+        lora_name: get(&["lora", "lora_name"]),
+        cache_salt: get(&["cache_salt", "salt"]),
+        address: get(&["address"]),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn worker_spec_of_the_design_parses() {
+        let r = parse_worker_spec(
+            "instance_id=A,endpoint=tcp://10.0.0.5:5557,model=M,block_size=16,address=10.0.0.5:8000,dp_rank=1,replay=tcp://10.0.0.5:5558,tenant=T",
+        )
+        .unwrap();
+        assert_eq!(r.instance_id, "A");
+        assert_eq!(r.block_size, 16);
+        assert_eq!(r.dp_rank, Some(1));
+        assert_eq!(r.replay_endpoint.as_deref(), Some("tcp://10.0.0.5:5558"));
+        assert_eq!(r.tenant_id.as_deref(), Some("T"));
+        assert!(parse_worker_spec("instance_id=A,endpoint=tcp://x:1,model=M").is_err());
+        assert!(
+            parse_worker_spec("instance_id=A,endpoint=tcp://x:1,model=M,block_size=x").is_err()
+        );
+        assert!(parse_worker_spec(
+            "instance_id=A,endpoint=tcp://x:1,model=M,block_size=1,colour=red"
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn every_flag_has_help() {
+        let cmd = Cli::command();
+        cmd.clone().debug_assert();
+        for arg in cmd.get_arguments() {
+            assert!(arg.get_help().is_some(), "--{} has no help", arg.get_id());
+        }
+    }
+
+    #[test]
+    fn config_file_fills_what_flags_leave_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "listen = \"127.0.0.1:7000\"\nadmin_token = \"a\"\nworker = [\"instance_id=A,endpoint=tcp://127.0.0.1:1,model=M,block_size=4\"]\n",
+        )
+        .unwrap();
+        let cli = Cli::try_parse_from([
+            "kvroute-collector",
+            "--config",
+            path.to_str().unwrap(),
+            "--admin-token",
+            "b",
+        ])
+        .unwrap();
+        let c = cli.into_config().unwrap();
+        assert_eq!(c.listen.port(), 7000);
+        assert_eq!(c.admin_token.as_deref(), Some("b"));
+        assert_eq!(c.workers.len(), 1);
+        std::fs::write(&path, "colour = 1\n").unwrap();
+        let cli =
+            Cli::try_parse_from(["kvroute-collector", "--config", path.to_str().unwrap()]).unwrap();
+        assert!(matches!(cli.into_config(), Err(ConfigError::File { .. })));
+    }
+
+    #[test]
+    fn listens_on_loopback_by_default() {
+        let c = Cli::try_parse_from(["kvroute-collector"])
+            .unwrap()
+            .into_config()
+            .unwrap();
+        assert!(c.listen.ip().is_loopback());
+    }
+}

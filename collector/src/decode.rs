@@ -1,0 +1,834 @@
+//! Stage 2 of the data path: one msgpack `EventBatch` payload → normalized
+//! [`KvEvent`]s, for every format of `shared/reference/kv_events.md`:
+//!
+//! - the batch is an array `[ts, events]` (vLLM 0.9.0) or `[ts, events, dp_rank]` (vLLM ≥ 0.9.1,
+//!   every SGLang); `dp_rank` is an int or nil;
+//! - events are tagged arrays `["BlockStored", field, ...]` (vLLM ≤ 0.23, SGLang ≤ 0.5.18,
+//!   llm-d-inference-sim) read by position with length guards, or maps with a `"type"` key
+//!   (vLLM ≥ 0.24, SGLang ≥ 0.5.20) read by name, unknown keys ignored;
+//! - any integer width, fixmap/map16/map32 and fixarray/array16/array32 headers;
+//! - engine hashes as u64, i64 (kept as their two's-complement bits) or bin (the last 8 bytes
+//!   read big-endian, left-padded when shorter: what vLLM's int conversion and llm-d do).
+//!
+//! The reader is hand-written over the borrowed payload instead of building an `rmpv::Value`
+//! tree: nothing is allocated but the tokens and hashes the index needs, every length is
+//! checked against the bytes that remain before anything is reserved, and nesting is bounded.
+//! Arbitrary bytes give a [`DecodeError`], never a panic.
+//!
+//! What is dropped on purpose, and counted in [`DecodeStats`]: events of other KV-cache groups
+//! (`group_idx` ≠ 0, or a `kv_cache_spec_kind` other than full or MLA attention), events with an
+//! unknown tag. Events that name a LoRA only by `lora_id` are kept as "no LoRA" and counted.
+
+use kvroute::event::{EngineHash, KvEvent, StoredBlock, Tier};
+
+/// Deepest nesting the reader follows while skipping values it does not need.
+pub const MAX_DEPTH: u32 = 32;
+
+/// Why a payload could not be decoded. Positions are byte offsets into the payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The payload ended inside a value.
+    #[error("payload truncated at byte {at}")]
+    Truncated { at: usize },
+    /// A value of the wrong msgpack type.
+    #[error("expected {expected} at byte {at}")]
+    Type { at: usize, expected: &'static str },
+    /// A value of the right type that makes no sense.
+    #[error("bad {what} at byte {at}")]
+    Value { at: usize, what: &'static str },
+    /// Values nested deeper than [`MAX_DEPTH`].
+    #[error("values nested deeper than {MAX_DEPTH} at byte {at}")]
+    TooDeep { at: usize },
+    /// A byte that is no msgpack marker (0xc1).
+    #[error("reserved msgpack marker at byte {at}")]
+    Reserved { at: usize },
+}
+
+/// Counts of what one batch contained besides the events it returns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodeStats {
+    /// Events of another KV-cache group or attention kind (hybrid and sliding-window models).
+    pub skipped_other_group: u32,
+    /// Events with a tag that is none of `BlockStored`, `BlockRemoved`, `AllBlocksCleared`.
+    pub skipped_unknown: u32,
+    /// `BlockStored` events naming a LoRA adapter only by `lora_id` (vLLM < 0.14): kept, without
+    /// a LoRA scope.
+    pub lora_id_only: u32,
+}
+
+/// One decoded batch.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Batch {
+    /// Publisher wall-clock time, seconds.
+    pub ts: f64,
+    /// The engine's data-parallel rank when the batch names one; it overrides the registered one.
+    pub dp_rank: Option<u32>,
+    pub events: Vec<KvEvent>,
+    pub stats: DecodeStats,
+}
+
+/// Decodes one `EventBatch` payload (the third ZMQ frame).
+///
+/// Each `BlockStored` block gets the tokens of its engine block: `token_ids` split by the
+/// event's `block_size`, the last block taking a shorter remainder (SGLang's partial last
+/// page). Tokens past `len(block_hashes) × block_size` are dropped.
+///
+/// # Errors
+/// Any malformed payload, or a known event with a field of the wrong type: the whole batch is
+/// refused, since applying part of it could leave a chain half-linked.
+pub fn decode(payload: &[u8]) -> Result<Batch, DecodeError> {
+    let mut r = Reader {
+        buf: payload,
+        at: 0,
+    };
+    let at = r.at;
+    let n = r.array_len()?;
+    if !(2..=16).contains(&n) {
+        return Err(DecodeError::Value {
+            at,
+            what: "batch length",
+        });
+    }
+    let ts = r.f64()?;
+    let mut batch = Batch {
+        ts,
+        ..Batch::default()
+    };
+    let count = r.array_len()?;
+    batch.events.reserve(count.min(1024));
+    for _ in 0..count {
+        if let Some(ev) = event(&mut r, &mut batch.stats)? {
+            batch.events.push(ev);
+        }
+    }
+    if n >= 3 {
+        let at = r.at;
+        batch.dp_rank = match r.opt_int()? {
+            None => None,
+            Some(v) => Some(u32::try_from(v).map_err(|_| DecodeError::Value {
+                at,
+                what: "dp_rank",
+            })?),
+        };
+        for _ in 3..n {
+            r.skip(0)?;
+        }
+    }
+    if r.at != payload.len() {
+        return Err(DecodeError::Value {
+            at: r.at,
+            what: "trailing bytes after the batch",
+        });
+    }
+    Ok(batch)
+}
+
+/// The fields of a `BlockStored`/`BlockRemoved`, gathered from either event shape.
+#[derive(Default)]
+struct Fields {
+    hashes: Vec<EngineHash>,
+    parent: Option<EngineHash>,
+    tokens: Vec<u32>,
+    block_size: Option<i128>,
+    lora_id: Option<i128>,
+    medium: Option<String>,
+    lora_name: Option<String>,
+    cache_salt: Option<String>,
+    group_idx: Option<i128>,
+    kind_ok: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tag {
+    Stored,
+    Removed,
+    Cleared,
+    Unknown,
+}
+
+fn tag_of(s: &str) -> Tag {
+    match s {
+        "BlockStored" | "BlockStoredWithMetadata" => Tag::Stored,
+        "BlockRemoved" => Tag::Removed,
+        "AllBlocksCleared" => Tag::Cleared,
+        _ => Tag::Unknown,
+    }
+}
+
+fn event(r: &mut Reader<'_>, stats: &mut DecodeStats) -> Result<Option<KvEvent>, DecodeError> {
+    let mut f = Fields {
+        kind_ok: true,
+        ..Fields::default()
+    };
+    let mut extra_keys: Option<Vec<ExtraKey>> = None;
+    let tag = match r.peek()? {
+        m if is_array(m) => {
+            let n = r.array_len()?;
+            if n == 0 {
+                return Err(DecodeError::Value {
+                    at: r.at,
+                    what: "empty event",
+                });
+            }
+            let tag = tag_of(r.str()?);
+            // Positional layouts (kv_events.md §1.2, §3, §5b):
+            //   BlockStored  [tag, hashes, parent, tokens, block_size, lora_id, medium,
+            //                 lora_name | sglang-metadata-map, extra_keys, group_idx,
+            //                 kv_cache_spec_kind, sliding_window]
+            //   BlockRemoved [tag, hashes, medium, group_idx]
+            for i in 1..n {
+                match (tag, i) {
+                    (Tag::Stored, 1) | (Tag::Removed, 1) => f.hashes = r.hashes()?,
+                    (Tag::Stored, 2) => f.parent = r.opt_hash()?,
+                    (Tag::Stored, 3) => f.tokens = r.tokens()?,
+                    (Tag::Stored, 4) => f.block_size = r.opt_int()?,
+                    (Tag::Stored, 5) => f.lora_id = r.opt_int()?,
+                    (Tag::Stored, 6) | (Tag::Removed, 2) => {
+                        f.medium = r.opt_str()?.map(str::to_owned)
+                    }
+                    (Tag::Stored, 7) => {
+                        if is_map(r.peek()?) {
+                            // SGLang 0.5.18 `BlockStoredWithMetadata`: {"cache_salt": s}.
+                            let m = r.map_len()?;
+                            for _ in 0..m {
+                                let key = r.str()?;
+                                if key == "cache_salt" {
+                                    f.cache_salt = r.opt_str()?.map(str::to_owned);
+                                } else {
+                                    r.skip(1)?;
+                                }
+                            }
+                        } else {
+                            f.lora_name = r.opt_str()?.map(str::to_owned);
+                        }
+                    }
+                    (Tag::Stored, 8) => extra_keys = r.extra_keys()?,
+                    (Tag::Stored, 9) | (Tag::Removed, 3) => f.group_idx = r.opt_int()?,
+                    (Tag::Stored, 10) => f.kind_ok = kind_ok(r.opt_str()?),
+                    _ => r.skip(1)?,
+                }
+            }
+            tag
+        }
+        m if is_map(m) => {
+            let n = r.map_len()?;
+            let mut tag = None;
+            for _ in 0..n {
+                let key = r.str()?;
+                match key {
+                    "type" => tag = Some(tag_of(r.str()?)),
+                    "block_hashes" => f.hashes = r.hashes()?,
+                    "parent_block_hash" => f.parent = r.opt_hash()?,
+                    "token_ids" => f.tokens = r.tokens()?,
+                    "block_size" => f.block_size = r.opt_int()?,
+                    "lora_id" => f.lora_id = r.opt_int()?,
+                    "medium" => f.medium = r.opt_str()?.map(str::to_owned),
+                    "lora_name" => f.lora_name = r.opt_str()?.map(str::to_owned),
+                    "cache_salt" => f.cache_salt = r.opt_str()?.map(str::to_owned),
+                    "extra_keys" => extra_keys = r.extra_keys()?,
+                    "group_idx" => f.group_idx = r.opt_int()?,
+                    "kv_cache_spec_kind" => f.kind_ok = kind_ok(r.opt_str()?),
+                    _ => r.skip(1)?,
+                }
+            }
+            tag.ok_or(DecodeError::Value {
+                at: r.at,
+                what: "map event without \"type\"",
+            })?
+        }
+        _ => {
+            return Err(DecodeError::Type {
+                at: r.at,
+                expected: "event array or map",
+            })
+        }
+    };
+    let at = r.at;
+    if tag == Tag::Unknown {
+        stats.skipped_unknown += 1;
+        return Ok(None);
+    }
+    if tag != Tag::Cleared && (f.group_idx.is_some_and(|g| g != 0) || !f.kind_ok) {
+        stats.skipped_other_group += 1;
+        return Ok(None);
+    }
+    let tier = Tier::from_medium(f.medium.as_deref());
+    Ok(Some(match tag {
+        Tag::Cleared => KvEvent::AllBlocksCleared,
+        Tag::Removed => KvEvent::BlockRemoved {
+            hashes: f.hashes,
+            tier,
+        },
+        Tag::Stored => {
+            let lora_name = f.lora_name.filter(|s| !s.is_empty());
+            if lora_name.is_none() && f.lora_id.is_some_and(|id| id != 0) {
+                stats.lora_id_only += 1;
+            }
+            let cache_salt = f
+                .cache_salt
+                .filter(|s| !s.is_empty())
+                .or_else(|| extra_keys.and_then(|keys| salt_of(keys, lora_name.as_deref())));
+            let blocks = split_blocks(f.hashes, f.tokens, f.block_size, at)?;
+            KvEvent::BlockStored {
+                parent: f.parent,
+                blocks,
+                tier,
+                lora_name,
+                cache_salt,
+            }
+        }
+        Tag::Unknown => unreachable!("handled above"),
+    }))
+}
+
+/// Kinds of KV-cache group whose blocks are a plain token prefix (what the index models).
+fn kind_ok(kind: Option<&str>) -> bool {
+    matches!(kind, None | Some("full_attention") | Some("mla_attention"))
+}
+
+/// Splits an event's tokens among its hashes, `block_size` tokens each.
+fn split_blocks(
+    hashes: Vec<EngineHash>,
+    tokens: Vec<u32>,
+    block_size: Option<i128>,
+    at: usize,
+) -> Result<Vec<StoredBlock>, DecodeError> {
+    let n = hashes.len();
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let bs = match block_size {
+        Some(bs) if bs >= 1 && bs <= u32::MAX as i128 => bs as usize,
+        // Older SGLang could omit it: one page per hash, tokens evenly spread.
+        None if tokens.len() % n == 0 && !tokens.is_empty() => tokens.len() / n,
+        _ => {
+            return Err(DecodeError::Value {
+                at,
+                what: "block_size",
+            })
+        }
+    };
+    // The last block may be short (a partial SGLang page), never empty.
+    if tokens.len() <= (n - 1) * bs {
+        return Err(DecodeError::Value {
+            at,
+            what: "fewer token_ids than block_hashes",
+        });
+    }
+    let mut blocks = Vec::with_capacity(n);
+    let mut rest = &tokens[..];
+    for hash in hashes {
+        let take = bs.min(rest.len());
+        blocks.push(StoredBlock {
+            hash,
+            tokens: rest[..take].to_vec(),
+        });
+        rest = &rest[take..];
+    }
+    Ok(blocks)
+}
+
+/// One element of the first block's `extra_keys` tuple, as far as the salt is concerned.
+enum ExtraKey {
+    Str(String),
+    /// A tagged pair such as `("cache_salt", s)` or an untagged `(mm_hash, offset)`.
+    Pair(Option<String>, Option<String>),
+    Other,
+}
+
+/// vLLM sends `cache_salt` only in the first block's `extra_keys`. On the wire the tuple is
+/// untagged (`lora_name`, `(mm_id, offset)` pairs, the salt string, prompt-embed digests as
+/// bytes), while newer code may carry tagged pairs: take a `("cache_salt", s)` pair when there
+/// is one, otherwise the last plain string that is not the LoRA name.
+fn salt_of(keys: Vec<ExtraKey>, lora_name: Option<&str>) -> Option<String> {
+    let mut plain = None;
+    let mut prev_tag = false;
+    for key in keys {
+        match key {
+            ExtraKey::Pair(Some(t), Some(s)) if t == "cache_salt" => {
+                return Some(s).filter(|s| !s.is_empty())
+            }
+            ExtraKey::Str(s) if prev_tag => return Some(s).filter(|s| !s.is_empty()),
+            ExtraKey::Str(s) if s == "cache_salt" => prev_tag = true,
+            ExtraKey::Str(s) if Some(s.as_str()) != lora_name && !s.is_empty() => plain = Some(s),
+            _ => prev_tag = false,
+        }
+    }
+    plain
+}
+
+fn is_array(m: u8) -> bool {
+    (0x90..=0x9f).contains(&m) || m == 0xdc || m == 0xdd
+}
+
+fn is_map(m: u8) -> bool {
+    (0x80..=0x8f).contains(&m) || m == 0xde || m == 0xdf
+}
+
+/// A cursor over a borrowed msgpack buffer.
+struct Reader<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn remaining(&self) -> usize {
+        self.buf.len() - self.at
+    }
+
+    fn peek(&self) -> Result<u8, DecodeError> {
+        self.buf
+            .get(self.at)
+            .copied()
+            .ok_or(DecodeError::Truncated { at: self.at })
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if n > self.remaining() {
+            return Err(DecodeError::Truncated { at: self.at });
+        }
+        let s = &self.buf[self.at..self.at + n];
+        self.at += n;
+        Ok(s)
+    }
+
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn be(&mut self, n: usize) -> Result<u64, DecodeError> {
+        Ok(self
+            .take(n)?
+            .iter()
+            .fold(0u64, |acc, &b| acc << 8 | b as u64))
+    }
+
+    /// A container length, checked against the bytes left (every element takes ≥ 1 byte per
+    /// `per_item`), so that a lying header never turns into a huge allocation.
+    fn checked_len(&self, len: u64, per_item: usize, at: usize) -> Result<usize, DecodeError> {
+        match len.checked_mul(per_item as u64) {
+            Some(need) if need <= self.remaining() as u64 => Ok(len as usize),
+            _ => Err(DecodeError::Truncated { at }),
+        }
+    }
+
+    fn array_len(&mut self) -> Result<usize, DecodeError> {
+        let at = self.at;
+        let len = match self.u8()? {
+            m @ 0x90..=0x9f => (m & 0x0f) as u64,
+            0xdc => self.be(2)?,
+            0xdd => self.be(4)?,
+            _ => {
+                return Err(DecodeError::Type {
+                    at,
+                    expected: "array",
+                })
+            }
+        };
+        self.checked_len(len, 1, at)
+    }
+
+    fn map_len(&mut self) -> Result<usize, DecodeError> {
+        let at = self.at;
+        let len = match self.u8()? {
+            m @ 0x80..=0x8f => (m & 0x0f) as u64,
+            0xde => self.be(2)?,
+            0xdf => self.be(4)?,
+            _ => {
+                return Err(DecodeError::Type {
+                    at,
+                    expected: "map",
+                })
+            }
+        };
+        self.checked_len(len, 2, at)
+    }
+
+    /// The payload of a str value, if the next value is one.
+    fn str_bytes(&mut self) -> Result<Option<&'a [u8]>, DecodeError> {
+        let len = match self.peek()? {
+            m @ 0xa0..=0xbf => {
+                self.at += 1;
+                (m & 0x1f) as usize
+            }
+            0xd9 => {
+                self.at += 1;
+                self.be(1)? as usize
+            }
+            0xda => {
+                self.at += 1;
+                self.be(2)? as usize
+            }
+            0xdb => {
+                self.at += 1;
+                self.be(4)? as usize
+            }
+            _ => return Ok(None),
+        };
+        self.take(len).map(Some)
+    }
+
+    fn str(&mut self) -> Result<&'a str, DecodeError> {
+        let at = self.at;
+        let bytes = self.str_bytes()?.ok_or(DecodeError::Type {
+            at,
+            expected: "string",
+        })?;
+        std::str::from_utf8(bytes).map_err(|_| DecodeError::Value {
+            at,
+            what: "string is not UTF-8",
+        })
+    }
+
+    fn opt_str(&mut self) -> Result<Option<&'a str>, DecodeError> {
+        if self.peek()? == 0xc0 {
+            self.at += 1;
+            return Ok(None);
+        }
+        self.str().map(Some)
+    }
+
+    fn bin(&mut self) -> Result<Option<&'a [u8]>, DecodeError> {
+        let len = match self.peek()? {
+            0xc4 => {
+                self.at += 1;
+                self.be(1)? as usize
+            }
+            0xc5 => {
+                self.at += 1;
+                self.be(2)? as usize
+            }
+            0xc6 => {
+                self.at += 1;
+                self.be(4)? as usize
+            }
+            _ => return Ok(None),
+        };
+        self.take(len).map(Some)
+    }
+
+    /// Any msgpack integer, widened.
+    fn int(&mut self) -> Result<Option<i128>, DecodeError> {
+        let m = self.peek()?;
+        let v = match m {
+            0x00..=0x7f => {
+                self.at += 1;
+                m as i128
+            }
+            0xe0..=0xff => {
+                self.at += 1;
+                m as i8 as i128
+            }
+            0xcc..=0xcf => {
+                self.at += 1;
+                self.be(1 << (m - 0xcc))? as i128
+            }
+            0xd0..=0xd3 => {
+                self.at += 1;
+                let n = 1usize << (m - 0xd0);
+                let raw = self.be(n)?;
+                let shift = 64 - 8 * n as u32;
+                ((raw << shift) as i64 >> shift) as i128
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some(v))
+    }
+
+    fn opt_int(&mut self) -> Result<Option<i128>, DecodeError> {
+        let at = self.at;
+        if self.peek()? == 0xc0 {
+            self.at += 1;
+            return Ok(None);
+        }
+        self.int()?.map(Some).ok_or(DecodeError::Type {
+            at,
+            expected: "integer or nil",
+        })
+    }
+
+    fn f64(&mut self) -> Result<f64, DecodeError> {
+        let at = self.at;
+        match self.peek()? {
+            0xcb => {
+                self.at += 1;
+                Ok(f64::from_bits(self.be(8)?))
+            }
+            0xca => {
+                self.at += 1;
+                Ok(f32::from_bits(self.be(4)? as u32) as f64)
+            }
+            _ => self.int()?.map(|v| v as f64).ok_or(DecodeError::Type {
+                at,
+                expected: "number",
+            }),
+        }
+    }
+
+    /// An engine hash: u64, i64 (two's-complement bits) or bin (last 8 bytes, big-endian).
+    fn hash(&mut self) -> Result<EngineHash, DecodeError> {
+        let at = self.at;
+        if let Some(v) = self.int()? {
+            return Ok(EngineHash(v as u64));
+        }
+        if let Some(bytes) = self.bin()? {
+            let tail = &bytes[bytes.len().saturating_sub(8)..];
+            return Ok(EngineHash(
+                tail.iter().fold(0u64, |acc, &b| acc << 8 | b as u64),
+            ));
+        }
+        Err(DecodeError::Type {
+            at,
+            expected: "block hash (int or bytes)",
+        })
+    }
+
+    /// A parent hash; nil, and the llm-d-inference-sim's `0`, mean none.
+    fn opt_hash(&mut self) -> Result<Option<EngineHash>, DecodeError> {
+        if self.peek()? == 0xc0 {
+            self.at += 1;
+            return Ok(None);
+        }
+        Ok(Some(self.hash()?).filter(|h| h.0 != 0))
+    }
+
+    fn hashes(&mut self) -> Result<Vec<EngineHash>, DecodeError> {
+        let n = self.array_len()?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            out.push(self.hash()?);
+        }
+        Ok(out)
+    }
+
+    /// Token ids: u32s, or SGLang EAGLE bigram pairs `[a, b]`, of which the first is the token.
+    fn tokens(&mut self) -> Result<Vec<u32>, DecodeError> {
+        let n = self.array_len()?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let at = self.at;
+            // Fast path: positive fixint, the common case for small vocabularies' first ids.
+            let m = self.peek()?;
+            let v = if m <= 0x7f {
+                self.at += 1;
+                m as i128
+            } else if is_array(m) {
+                let k = self.array_len()?;
+                if k == 0 {
+                    return Err(DecodeError::Value {
+                        at,
+                        what: "empty token pair",
+                    });
+                }
+                let first = self.int()?.ok_or(DecodeError::Type {
+                    at,
+                    expected: "token id",
+                })?;
+                for _ in 1..k {
+                    self.skip(1)?;
+                }
+                first
+            } else {
+                self.int()?.ok_or(DecodeError::Type {
+                    at,
+                    expected: "token id",
+                })?
+            };
+            out.push(u32::try_from(v).map_err(|_| DecodeError::Value {
+                at,
+                what: "token id out of u32 range",
+            })?);
+        }
+        Ok(out)
+    }
+
+    /// `extra_keys`: nil, or one entry per block; only the first block's entry matters.
+    fn extra_keys(&mut self) -> Result<Option<Vec<ExtraKey>>, DecodeError> {
+        if self.peek()? == 0xc0 {
+            self.at += 1;
+            return Ok(None);
+        }
+        let n = self.array_len()?;
+        let mut first = None;
+        for i in 0..n {
+            if i > 0 || !is_array(self.peek()?) {
+                self.skip(1)?;
+                continue;
+            }
+            let k = self.array_len()?;
+            let mut keys = Vec::with_capacity(k.min(16));
+            for _ in 0..k {
+                let m = self.peek()?;
+                if let Some(s) = self.str_bytes()? {
+                    keys.push(ExtraKey::Str(String::from_utf8_lossy(s).into_owned()));
+                } else if is_array(m) {
+                    let len = self.array_len()?;
+                    let mut parts = [None, None];
+                    for j in 0..len {
+                        match self.str_bytes()? {
+                            Some(s) if j < 2 => {
+                                parts[j] = Some(String::from_utf8_lossy(s).into_owned())
+                            }
+                            Some(_) => {}
+                            None => self.skip(2)?,
+                        }
+                    }
+                    let [a, b] = parts;
+                    keys.push(ExtraKey::Pair(a, b));
+                } else {
+                    self.skip(1)?;
+                    keys.push(ExtraKey::Other);
+                }
+            }
+            first = Some(keys);
+        }
+        Ok(first)
+    }
+
+    /// Skips one value of any type.
+    fn skip(&mut self, depth: u32) -> Result<(), DecodeError> {
+        let at = self.at;
+        if depth > MAX_DEPTH {
+            return Err(DecodeError::TooDeep { at });
+        }
+        let m = self.u8()?;
+        let (skip, items) = match m {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
+            0x80..=0x8f => (0, 2 * (m & 0x0f) as u64),
+            0x90..=0x9f => (0, (m & 0x0f) as u64),
+            0xa0..=0xbf => ((m & 0x1f) as u64, 0),
+            0xc1 => return Err(DecodeError::Reserved { at }),
+            0xc4 | 0xd9 => (self.be(1)?, 0),
+            0xc5 | 0xda => (self.be(2)?, 0),
+            0xc6 | 0xdb => (self.be(4)?, 0),
+            0xc7 => (self.be(1)? + 1, 0),
+            0xc8 => (self.be(2)? + 1, 0),
+            0xc9 => (self.be(4)? + 1, 0),
+            0xca => (4, 0),
+            0xcb => (8, 0),
+            0xcc | 0xd0 => (1, 0),
+            0xcd | 0xd1 => (2, 0),
+            0xce | 0xd2 => (4, 0),
+            0xcf | 0xd3 => (8, 0),
+            0xd4 => (2, 0),
+            0xd5 => (3, 0),
+            0xd6 => (5, 0),
+            0xd7 => (9, 0),
+            0xd8 => (17, 0),
+            0xdc => (0, self.be(2)?),
+            0xdd => (0, self.be(4)?),
+            0xde => (0, 2 * self.be(2)?),
+            0xdf => (0, 2 * self.be(4)?),
+        };
+        if skip > self.remaining() as u64 || items > self.remaining() as u64 {
+            return Err(DecodeError::Truncated { at });
+        }
+        self.at += skip as usize;
+        for _ in 0..items {
+            self.skip(depth + 1)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn vllm_033_map_event_with_map16_header() {
+        let b = decode(&unhex("93cb3ff800000000000091de0008a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cfb9807785afee48bb07b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473980102030405060708aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c000")).unwrap();
+        assert_eq!(b.ts, 1.5);
+        assert_eq!(b.dp_rank, Some(0));
+        assert_eq!(
+            b.events,
+            vec![KvEvent::BlockStored {
+                parent: None,
+                blocks: vec![
+                    StoredBlock {
+                        hash: EngineHash(13366815110101616827),
+                        tokens: vec![1, 2, 3, 4]
+                    },
+                    StoredBlock {
+                        hash: EngineHash(7),
+                        tokens: vec![5, 6, 7, 8]
+                    },
+                ],
+                tier: Tier::Gpu,
+                lora_name: None,
+                cache_salt: None,
+            }]
+        );
+    }
+
+    #[test]
+    fn salt_comes_from_first_blocks_extra_keys() {
+        let keys = vec![
+            ExtraKey::Str("lora-a".into()),
+            ExtraKey::Pair(Some("mm".into()), None),
+            ExtraKey::Str("s1".into()),
+        ];
+        assert_eq!(salt_of(keys, Some("lora-a")).as_deref(), Some("s1"));
+        let keys = vec![ExtraKey::Str("lora-a".into())];
+        assert_eq!(salt_of(keys, Some("lora-a")), None);
+        let keys = vec![
+            ExtraKey::Pair(Some("cache_salt".into()), Some("s2".into())),
+            ExtraKey::Str("x".into()),
+        ];
+        assert_eq!(salt_of(keys, None).as_deref(), Some("s2"));
+        let keys = vec![
+            ExtraKey::Str("cache_salt".into()),
+            ExtraKey::Str("s3".into()),
+        ];
+        assert_eq!(salt_of(keys, None).as_deref(), Some("s3"));
+    }
+
+    #[test]
+    fn bad_payloads_are_errors() {
+        assert!(matches!(decode(&[]), Err(DecodeError::Truncated { at: 0 })));
+        assert!(matches!(decode(&[0xc1]), Err(DecodeError::Type { .. })));
+        // An array header claiming 4 billion events in a 10-byte payload.
+        assert!(matches!(
+            decode(&unhex(
+                "93cb3ff8000000000000dd ffffffff".replace(' ', "").as_str()
+            )),
+            Err(DecodeError::Truncated { .. })
+        ));
+        // Trailing garbage.
+        let mut ok = unhex("92cb3ff800000000000090");
+        assert!(decode(&ok).is_ok());
+        ok.push(0);
+        assert!(matches!(decode(&ok), Err(DecodeError::Value { .. })));
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode(&bytes);
+        }
+
+        #[test]
+        fn arbitrary_tails_of_a_batch_header_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let mut framed = unhex("93cb3ff8000000000000");
+            framed.extend_from_slice(&bytes);
+            let _ = decode(&framed);
+        }
+
+        #[test]
+        fn corrupted_vectors_never_panic(at in any::<prop::sample::Index>(), byte in any::<u8>()) {
+            let mut bytes = unhex("93cb4000000000000000919cab426c6f636b53746f72656491cfcb73eeaed59c009dcfb9807785afee48bb94090a0b0c04c0a3475055c091c000ae66756c6c5f617474656e74696f6ec0c0");
+            let i = at.index(bytes.len());
+            bytes[i] = byte;
+            let _ = decode(&bytes);
+        }
+    }
+}

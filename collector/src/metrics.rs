@@ -1,0 +1,225 @@
+//! Prometheus metrics (`GET /metrics`, text format) with the `prometheus-client` crate.
+//!
+//! Every metric is an atomic: the ingest path updates them while it holds the hub's lock
+//! without further locking. Per-worker families are labelled `instance` and `dp`; their
+//! cardinality is bounded by the registered workers.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabels {
+    pub instance: String,
+    pub dp: String,
+}
+
+impl WorkerLabels {
+    pub fn new(instance: &str, dp: u32) -> WorkerLabels {
+        WorkerLabels {
+            instance: instance.to_owned(),
+            dp: dp.to_string(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EventLabels {
+    pub instance: String,
+    pub dp: String,
+    pub r#type: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub instance: String,
+    pub dp: String,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointLabels {
+    pub endpoint: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FeedLabels {
+    pub kind: &'static str,
+}
+
+type HistogramFamily = Family<EndpointLabels, Histogram, fn() -> Histogram>;
+
+fn query_histogram() -> Histogram {
+    // 10 µs .. ~0.33 s.
+    Histogram::new(exponential_buckets(10e-6, 2.0, 16))
+}
+
+/// Every metric the collector exports.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// KV events applied, by type and worker.
+    pub events: Family<EventLabels, Counter>,
+    /// Batches (ZMQ messages) received, by worker.
+    pub batches: Family<WorkerLabels, Counter>,
+    /// Payloads that did not decode, or messages not of 3 frames with an 8-byte seq.
+    pub decode_errors: Family<WorkerLabels, Counter>,
+    /// Events and blocks left out, by reason.
+    pub skipped: Family<ReasonLabels, Counter>,
+    /// Sequence gaps seen.
+    pub gaps: Family<WorkerLabels, Counter>,
+    /// Replays through the engine's ROUTER socket, by outcome.
+    pub replays: Family<OutcomeLabels, Counter>,
+    /// Stored blocks whose parent the worker does not hold.
+    pub orphans: Family<WorkerLabels, Counter>,
+    /// Engine restarts detected (sequence back to 0).
+    pub restarts: Family<WorkerLabels, Counter>,
+    /// Distinct blocks in the index.
+    pub blocks: Gauge,
+    /// (block, worker) holds in the index.
+    pub holders: Gauge,
+    /// Workers known (registered and derived from batches' dp ranks).
+    pub workers: Gauge,
+    /// Workers whose publisher is connected.
+    pub connected: Gauge,
+    /// Entries in the feed log.
+    pub feed_log_entries: Gauge,
+    /// Latency of `/query` and `/query_by_hash`, seconds.
+    pub query_seconds: HistogramFamily,
+    /// `/v1/feed` requests by kind (delta, snapshot).
+    pub feed_requests: Family<FeedLabels, Counter>,
+    /// Bytes served by `/v1/feed`.
+    pub feed_bytes: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("kvroute");
+        let m = Metrics {
+            registry: Registry::default(),
+            events: Family::default(),
+            batches: Family::default(),
+            decode_errors: Family::default(),
+            skipped: Family::default(),
+            gaps: Family::default(),
+            replays: Family::default(),
+            orphans: Family::default(),
+            restarts: Family::default(),
+            blocks: Gauge::default(),
+            holders: Gauge::default(),
+            workers: Gauge::default(),
+            connected: Gauge::default(),
+            feed_log_entries: Gauge::default(),
+            query_seconds: Family::new_with_constructor(query_histogram as fn() -> Histogram),
+            feed_requests: Family::default(),
+            feed_bytes: Counter::default(),
+        };
+        registry.register(
+            "events",
+            "KV events applied, by type and worker",
+            m.events.clone(),
+        );
+        registry.register(
+            "batches",
+            "Event batches received, by worker",
+            m.batches.clone(),
+        );
+        registry.register(
+            "decode_errors",
+            "Messages that did not decode, by worker",
+            m.decode_errors.clone(),
+        );
+        registry.register(
+            "skipped",
+            "Events or blocks left out, by reason",
+            m.skipped.clone(),
+        );
+        registry.register(
+            "sequence_gaps",
+            "Sequence gaps seen, by worker",
+            m.gaps.clone(),
+        );
+        registry.register(
+            "replays",
+            "Replays through the engine's replay socket, by outcome",
+            m.replays.clone(),
+        );
+        registry.register(
+            "orphans",
+            "Stored blocks whose parent the worker does not hold",
+            m.orphans.clone(),
+        );
+        registry.register(
+            "engine_restarts",
+            "Engine restarts detected (sequence back to 0)",
+            m.restarts.clone(),
+        );
+        registry.register(
+            "index_blocks",
+            "Distinct blocks in the index",
+            m.blocks.clone(),
+        );
+        registry.register(
+            "index_holders",
+            "(block, worker) holds in the index",
+            m.holders.clone(),
+        );
+        registry.register("workers", "Workers known", m.workers.clone());
+        registry.register(
+            "workers_connected",
+            "Workers whose publisher is connected",
+            m.connected.clone(),
+        );
+        registry.register(
+            "feed_log_entries",
+            "Entries in the feed log",
+            m.feed_log_entries.clone(),
+        );
+        registry.register(
+            "query_duration_seconds",
+            "Latency of /query and /query_by_hash",
+            m.query_seconds.clone(),
+        );
+        registry.register(
+            "feed_requests",
+            "/v1/feed requests by kind",
+            m.feed_requests.clone(),
+        );
+        registry.register(
+            "feed_bytes",
+            "Bytes served by /v1/feed",
+            m.feed_bytes.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    pub fn skip(&self, reason: &'static str, n: u64) {
+        if n > 0 {
+            self.skipped
+                .get_or_create(&ReasonLabels { reason })
+                .inc_by(n);
+        }
+    }
+
+    /// The text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
