@@ -120,18 +120,25 @@ pub fn longest_matches(
         }
     }
     if keys.len() > 1 {
-        bisect(
+        let mut walk = Walk {
             view,
             keys,
-            1,
-            keys.len() - 1,
-            candidates,
-            &mut matches,
-            &mut buf,
+            matches: &mut matches,
+            buf,
+            marks: vec![TierMask::EMPTY; buf_len(&candidates)],
             stats,
-        );
+        };
+        walk.bisect(1, keys.len() - 1, candidates);
     }
     matches
+}
+
+fn buf_len(candidates: &[Candidate]) -> usize {
+    candidates
+        .iter()
+        .map(|c| c.idx as usize + 1)
+        .max()
+        .unwrap_or(0)
 }
 
 #[derive(Clone, Copy)]
@@ -145,42 +152,50 @@ fn holds_at(mask: TierMask, class: Tier) -> bool {
     mask.best().is_some_and(|best| best <= class)
 }
 
-/// Every candidate is known to hold depth `lo - 1`; finds which of `lo..=hi` they hold.
-#[allow(clippy::too_many_arguments)]
-fn bisect(
-    view: &impl HolderView,
-    keys: &[BlockKey],
-    lo: usize,
-    hi: usize,
-    candidates: Vec<Candidate>,
-    matches: &mut [WorkerMatch],
-    buf: &mut Vec<(WorkerId, TierMask)>,
-    stats: &mut WalkStats,
-) {
-    if candidates.is_empty() || lo > hi {
-        return;
-    }
-    let mid = lo + (hi - lo) / 2;
-    buf.clear();
-    view.holders(keys[mid], buf);
-    stats.reads += 1;
-    let (mut deeper, mut shallower) = (Vec::new(), Vec::new());
-    for c in candidates {
-        let worker = matches[c.idx as usize].worker;
-        let mask = buf
-            .iter()
-            .filter(|(w, _)| *w == worker)
-            .fold(TierMask::EMPTY, |acc, (_, m)| TierMask(acc.0 | m.0));
-        if holds_at(mask, c.class) {
-            matches[c.idx as usize].blocks[c.class as usize] = mid as u32 + 1;
-            deeper.push(c);
-        } else {
-            shallower.push(c);
+struct Walk<'a, V> {
+    view: &'a V,
+    keys: &'a [BlockKey],
+    /// Sorted by worker: a read's holders find their match by binary search.
+    matches: &'a mut Vec<WorkerMatch>,
+    buf: Vec<(WorkerId, TierMask)>,
+    /// Per match, the tiers the current read found it holding; cleared after each read.
+    marks: Vec<TierMask>,
+    stats: &'a mut WalkStats,
+}
+
+impl<V: HolderView> Walk<'_, V> {
+    /// Every candidate is known to hold depth `lo - 1`; finds which of `lo..=hi` they hold.
+    fn bisect(&mut self, lo: usize, hi: usize, candidates: Vec<Candidate>) {
+        if candidates.is_empty() || lo > hi {
+            return;
         }
-    }
-    bisect(view, keys, mid + 1, hi, deeper, matches, buf, stats);
-    if mid > lo {
-        bisect(view, keys, lo, mid - 1, shallower, matches, buf, stats);
+        let mid = lo + (hi - lo) / 2;
+        self.buf.clear();
+        self.view.holders(self.keys[mid], &mut self.buf);
+        self.stats.reads += 1;
+        for &(worker, mask) in &self.buf {
+            if let Ok(i) = self.matches.binary_search_by_key(&worker, |m| m.worker) {
+                self.marks[i] = TierMask(self.marks[i].0 | mask.0);
+            }
+        }
+        let (mut deeper, mut shallower) = (Vec::new(), Vec::new());
+        for c in candidates {
+            if holds_at(self.marks[c.idx as usize], c.class) {
+                self.matches[c.idx as usize].blocks[c.class as usize] = mid as u32 + 1;
+                deeper.push(c);
+            } else {
+                shallower.push(c);
+            }
+        }
+        for &(worker, _) in &self.buf {
+            if let Ok(i) = self.matches.binary_search_by_key(&worker, |m| m.worker) {
+                self.marks[i] = TierMask::EMPTY;
+            }
+        }
+        self.bisect(mid + 1, hi, deeper);
+        if mid > lo {
+            self.bisect(lo, mid - 1, shallower);
+        }
     }
 }
 
