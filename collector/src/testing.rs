@@ -59,10 +59,14 @@ impl Publisher {
     /// # Panics
     /// When the sockets cannot bind on loopback.
     pub async fn bind(format: Format, shape: ReplayShape) -> Publisher {
-        Self::bind_at("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", format, shape).await
+        Self::bind_on("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", format, shape).await
     }
 
-    async fn bind_at(
+    /// Binds the given addresses (`tcp://127.0.0.1:PORT`), as an engine coming back does.
+    ///
+    /// # Panics
+    /// When the sockets cannot bind.
+    pub async fn bind_on(
         pub_at: &str,
         replay_at: &str,
         format: Format,
@@ -104,7 +108,7 @@ impl Publisher {
             self.dp_rank,
         );
         self.close().await;
-        let mut p = Self::bind_at(&endpoint, &replay_endpoint, format, shape).await;
+        let mut p = Self::bind_on(&endpoint, &replay_endpoint, format, shape).await;
         p.dp_rank = dp;
         p
     }
@@ -114,6 +118,11 @@ impl Publisher {
         self.router.abort();
         let _ = self.router.await;
         let _ = self.socket.close().await;
+    }
+
+    /// Continues the sequence at `seq` (an engine that was only cut off, not restarted).
+    pub fn resume_seq(&mut self, seq: u64) {
+        self.next_seq = seq;
     }
 
     /// The sequence number the next batch gets.

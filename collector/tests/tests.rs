@@ -2,3 +2,7 @@
 
 // Every shared vector decodes to its normalized events.
 mod vectors;
+// Helpers: collector config, registrations, waiting on conditions.
+mod common;
+// Over real ZMQ on loopback: stores, removals, clears, tenants, gaps, restarts, state-dir.
+mod zmq_flow;

@@ -1,0 +1,266 @@
+//! End to end over real ZMQ sockets on loopback: an engine-like publisher (PUB + replay
+//! ROUTER, `kvroute_collector::testing`) feeds a collector; the index is checked through the
+//! same query the HTTP API serves.
+
+use std::time::Duration;
+
+use kvroute::event::{EngineHash, KvEvent, Tier};
+use kvroute_collector::testing::{stored, Format, Publisher, ReplayShape};
+use kvroute_collector::{Config, Shared};
+
+use crate::common::*;
+
+const M: &str = "llama";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn longest_match_after_stores() {
+    let state = Shared::new(config());
+    let mut a = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let mut b = Publisher::bind(Format::VllmArray, ReplayShape::Old).await;
+    state.register(registration("a", &a, M, None, 4)).unwrap();
+    state.register(registration("b", &b, M, None, 4)).unwrap();
+    let t = tokens(1, 48);
+    // a: 8 blocks, then 4 more as children of its 8th; b: the first 2 blocks.
+    a.publish(&[stored(None, 100, &t[..32], 4)]).await;
+    a.publish(&[stored(Some(107), 200, &t[32..48], 4)]).await;
+    b.publish(&[stored(None, 900, &t[..8], 4)]).await;
+    eventually(&state, Some(&mut a), |h| longest(h, &t, M, None, "a") == 48).await;
+    eventually(&state, Some(&mut b), |h| longest(h, &t, M, None, "b") == 8).await;
+    let r = query(&state.read(), &t, M, None);
+    assert_eq!(r.block_size, 4);
+    assert_eq!(r.query_blocks, 12);
+    let ia = &r.instances["a"];
+    assert_eq!((ia.gpu, ia.cpu, ia.disk), (48, 48, 48));
+    assert_eq!(ia.address, a.endpoint.trim_start_matches("tcp://").split(':').next().unwrap().to_owned() + ":8000");
+    assert_eq!(ia.dp.get("0"), Some(&48));
+    // A prompt that diverges after 5 blocks matches 5 blocks of a.
+    let mut other = t.clone();
+    other[21] = 9999;
+    assert_eq!(longest(&state.read(), &other, M, None, "a"), 20);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removal_in_the_middle_of_a_chain_cuts_the_match() {
+    let state = Shared::new(config());
+    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    state.register(registration("a", &p, M, None, 4)).unwrap();
+    let t = tokens(1, 40);
+    p.publish(&[stored(None, 10, &t, 4)]).await;
+    eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 40).await;
+    // Evict the 4th block (hash 13): blocks 4.. go with it.
+    p.publish(&[KvEvent::BlockRemoved { hashes: vec![EngineHash(13)], tier: Tier::Gpu }]).await;
+    eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 12).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_blocks_cleared_empties_the_worker() {
+    let state = Shared::new(config());
+    let mut p = Publisher::bind(Format::VllmArray, ReplayShape::New).await;
+    state.register(registration("a", &p, M, None, 4)).unwrap();
+    let t = tokens(1, 16);
+    p.publish(&[stored(None, 10, &t, 4)]).await;
+    eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 16).await;
+    p.publish(&[KvEvent::AllBlocksCleared]).await;
+    eventually(&state, Some(&mut p), |h| query(h, &t, M, None).instances.is_empty()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tenants_with_the_same_tokens_are_kept_apart() {
+    let state = Shared::new(config());
+    let mut a = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let mut b = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    state.register(registration("a", &a, M, Some("tenant-a"), 4)).unwrap();
+    state.register(registration("b", &b, M, Some("tenant-b"), 4)).unwrap();
+    let t = tokens(1, 32);
+    a.publish(&[stored(None, 10, &t, 4)]).await;
+    b.publish(&[stored(None, 10, &t[..8], 4)]).await;
+    eventually(&state, Some(&mut a), |h| longest(h, &t, M, Some("tenant-a"), "a") == 32).await;
+    eventually(&state, Some(&mut b), |h| longest(h, &t, M, Some("tenant-b"), "b") == 8).await;
+    let hub = state.read();
+    let ra = query(&hub, &t, M, Some("tenant-a"));
+    let rb = query(&hub, &t, M, Some("tenant-b"));
+    assert_eq!(ra.instances.keys().collect::<Vec<_>>(), vec!["a"]);
+    assert_eq!(rb.instances.keys().collect::<Vec<_>>(), vec!["b"]);
+    assert!(hub.query_tokens(&t, M, None, None, None).is_err(), "the default tenant does not serve the model");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_repaired_by_replay() {
+    for shape in [ReplayShape::New, ReplayShape::Old] {
+        let state = Shared::new(config());
+        let mut p = Publisher::bind(Format::VllmMap, shape).await;
+        state.register(registration("a", &p, M, None, 4)).unwrap();
+        let t = tokens(1, 24);
+        p.publish(&[stored(None, 10, &t[..8], 4)]).await;
+        eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 8).await;
+        // The middle batch never reaches the SUB socket.
+        p.publish_lost(&[stored(Some(11), 20, &t[8..16], 4)]).await;
+        p.publish(&[stored(Some(21), 30, &t[16..24], 4)]).await;
+        eventually(&state, None, |h| longest(h, &t, M, None, "a") == 24).await;
+        let hub = state.read();
+        let w = hub.worker_views().into_iter().find(|w| w.instance_id == "a").unwrap();
+        assert!(w.status.gaps >= 1, "{shape:?}: gap counted");
+        assert_eq!(w.status.last_seq, Some(2));
+        drop(hub);
+        assert!(state.metrics.encode().contains("kvroute_sequence_gaps_total"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_is_detected_and_the_sub_reconnects() {
+    let state = Shared::new(config());
+    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    state.register(registration("a", &p, M, None, 4)).unwrap();
+    let old = tokens(1, 16);
+    p.publish(&[stored(None, 10, &old, 4)]).await;
+    p.publish(&[stored(Some(13), 20, &tokens(17, 4), 4)]).await;
+    eventually(&state, Some(&mut p), |h| longest(h, &old, M, None, "a") == 16).await;
+    // Same addresses, seq back to 0, empty cache: vLLM sends no AllBlocksCleared.
+    let mut p = p.restart().await;
+    let new = tokens(500, 8);
+    p.publish(&[stored(None, 77, &new, 4)]).await;
+    eventually(&state, Some(&mut p), |h| {
+        longest(h, &new, M, None, "a") == 8 && longest(h, &old, M, None, "a") == 0
+    })
+    .await;
+    let hub = state.read();
+    let w = hub.worker_views().into_iter().next().unwrap();
+    assert_eq!(w.status.restarts, 1);
+    assert!(w.status.connected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_before_registration_are_recovered_by_replay() {
+    let state = Shared::new(config());
+    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let t = tokens(1, 24);
+    // Published while nobody listens.
+    p.publish(&[stored(None, 10, &t[..8], 4)]).await;
+    p.publish(&[stored(Some(11), 20, &t[8..24], 4)]).await;
+    state.register(registration("a", &p, M, None, 4)).unwrap();
+    eventually(&state, None, |h| longest(h, &t, M, None, "a") == 24).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_keeps_blocks_for_a_while_then_reconnect_resumes() {
+    let state = Shared::new(config());
+    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    state.register(registration("a", &p, M, None, 4)).unwrap();
+    let t = tokens(1, 16);
+    p.publish(&[stored(None, 10, &t[..8], 4)]).await;
+    eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 8).await;
+    let (endpoint, replay, next) = (p.endpoint.clone(), p.replay_endpoint.clone(), p.next_seq());
+    p.close().await;
+    eventually(&state, None, |h| h.workers().all(|w| !w.status.connected)).await;
+    // Disconnected, but within keep_disconnected (60 s): the blocks stay.
+    assert_eq!(longest(&state.read(), &t, M, None, "a"), 8);
+    // The network comes back: same addresses, the engine's sequence goes on.
+    let mut p = Publisher::bind_on(&endpoint, &replay, Format::VllmMap, ReplayShape::New).await;
+    p.resume_seq(next);
+    p.publish(&[stored(Some(11), 20, &t[8..16], 4)]).await;
+    eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 16).await;
+    let hub = state.read();
+    let w = hub.worker_views().into_iter().next().unwrap();
+    assert!(w.status.connected);
+    assert_eq!(w.status.restarts, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_disconnected_too_long_loses_its_blocks() {
+    let state = Shared::new(Config { keep_disconnected: Duration::from_millis(200), ..config() });
+    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    state.register(registration("a", &p, M, None, 4)).unwrap();
+    let t = tokens(1, 16);
+    p.publish(&[stored(None, 10, &t, 4)]).await;
+    eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 16).await;
+    p.close().await;
+    eventually(&state, None, |h| longest(h, &t, M, None, "a") == 0).await;
+    assert!(state.read().workers().all(|w| !w.status.connected));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_single_token_pages_are_rechunked_into_blocks() {
+    let state = Shared::new(config());
+    let mut p = Publisher::bind(Format::SglangArray, ReplayShape::New).await;
+    state.register(registration("a", &p, M, None, 4)).unwrap();
+    let t = tokens(1, 10);
+    // page_size 1: one "block" per token, hashes 1000.., chained.
+    p.publish(&[stored(None, 1000, &t[..6], 1)]).await;
+    p.publish(&[stored(Some(1005), 1006, &t[6..10], 1)]).await;
+    // 10 tokens: two full blocks of 4; the last 2 tokens are a partial block.
+    eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 8).await;
+    // Evicting the page of token 6 (hash 1005) drops block 2 (tokens 5..8).
+    p.publish(&[KvEvent::BlockRemoved { hashes: vec![EngineHash(1005)], tier: Tier::Gpu }]).await;
+    eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_batch_dp_rank_overrides_the_registered_one() {
+    let state = Shared::new(config());
+    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    p.dp_rank = Some(3);
+    state.register(registration("a", &p, M, None, 4)).unwrap();
+    let t = tokens(1, 8);
+    p.publish(&[stored(None, 10, &t, 4)]).await;
+    eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 8).await;
+    let r = query(&state.read(), &t, M, None);
+    assert_eq!(r.instances["a"].dp.keys().collect::<Vec<_>>(), vec!["3"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lora_and_salt_scopes_from_events() {
+    let state = Shared::new(config());
+    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    state.register(registration("a", &p, M, None, 4)).unwrap();
+    let t = tokens(1, 8);
+    let mut ev = stored(None, 10, &t, 4);
+    if let KvEvent::BlockStored { lora_name, cache_salt, .. } = &mut ev {
+        *lora_name = Some("adapter".into());
+        *cache_salt = Some("s1".into());
+    }
+    p.publish(&[ev]).await;
+    eventually(&state, Some(&mut p), |h| {
+        h.query_tokens(&t, M, None, Some("adapter"), Some("s1")).is_ok_and(|r| r.instances.contains_key("a"))
+    })
+    .await;
+    let hub = state.read();
+    assert!(query(&hub, &t, M, None).instances.is_empty(), "no LoRA, no salt: another scope");
+    assert!(hub.query_tokens(&t, M, None, Some("adapter"), None).unwrap().instances.is_empty());
+    // The adapter's served name resolves through the alias the event published.
+    let r = hub.query_tokens(&t, "adapter", None, None, Some("s1")).unwrap();
+    assert_eq!(r.instances["a"].longest_matched, 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_dir_restart_keeps_the_index_and_replays_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = Config { state_dir: Some(dir.path().to_owned()), ..config() };
+    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let t = tokens(1, 24);
+    {
+        let state = kvroute_collector::start(cfg.clone()).unwrap();
+        state.register(registration("a", &p, M, None, 4)).unwrap();
+        p.publish(&[stored(None, 10, &t[..16], 4)]).await;
+        eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 16).await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // Serve and shut down at once: the final snapshot is written on shutdown.
+        kvroute_collector::serve(listener, state, async {}).await.unwrap();
+    }
+    assert!(dir.path().join("state.json").exists());
+    // While the collector is down the engine goes on.
+    p.publish(&[stored(Some(13), 20, &t[16..24], 4)]).await;
+    let state = kvroute_collector::start(cfg).unwrap();
+    // The index is back before any event arrives...
+    assert!(longest(&state.read(), &t, M, None, "a") >= 16);
+    // ...and the batch published meanwhile comes by replay from last seq + 1.
+    eventually(&state, None, |h| longest(h, &t, M, None, "a") == 24).await;
+    state.stop_subscribers();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_state_snapshot_is_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("state.json"), b"\x00garbage").unwrap();
+    let state = kvroute_collector::start(Config { state_dir: Some(dir.path().to_owned()), ..config() }).unwrap();
+    assert_eq!(state.read().workers().count(), 0);
+}
