@@ -566,7 +566,8 @@ impl Hub {
         metrics.skip("capped", total.capped + chunk_stats.capped);
         metrics.skip("bad_block_size", total.bad_blocks);
         metrics.skip("unknown_removal", total.unknown_removals);
-        for id in [worker, source] {
+        let ids = if worker == source { &[worker][..] } else { &[worker, source][..] };
+        for &id in ids {
             if let Some(w) = self.worker_mut(id) {
                 if id == source {
                     w.status.last_seq = Some(seq);

@@ -121,22 +121,12 @@ pub struct ErrorBody {
 }
 
 fn string_or_number<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum SN {
-        S(String),
-        U(u64),
-        I(i64),
+    // Through a `Value`, so that syntax errors stay syntax errors.
+    match serde_json::Value::deserialize(d)? {
+        serde_json::Value::String(s) => Ok(s),
+        serde_json::Value::Number(n) if n.is_u64() || n.is_i64() => Ok(n.to_string()),
+        _ => Err(serde::de::Error::custom("expected a string or an integer")),
     }
-    Ok(
-        match SN::deserialize(d)
-            .map_err(|_| serde::de::Error::custom("expected a string or an integer"))?
-        {
-            SN::S(s) => s,
-            SN::U(u) => u.to_string(),
-            SN::I(i) => i.to_string(),
-        },
-    )
 }
 
 fn opt_string_or_number<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {

@@ -6,3 +6,5 @@ mod vectors;
 mod common;
 // Over real ZMQ on loopback: stores, removals, clears, tenants, gaps, restarts, state-dir.
 mod zmq_flow;
+// Every HTTP endpoint, each bad input, and the tokens, through `app(state).oneshot`.
+mod http;
