@@ -254,8 +254,6 @@ pub struct BucketRef<'a> {
     holders: &'a [u8],
 }
 
-const BUCKET_HEADER: usize = 1 + 4 + 2;
-
 impl<'a> BucketRef<'a> {
     /// Parses a bucket of build `stamp`; a bucket of another build, another layout or a
     /// damaged one reads as `None` (empty).

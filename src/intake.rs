@@ -293,9 +293,9 @@ pub enum Found {
 /// # Errors
 /// [`IntakeError`] for malformed JSON, a non-object body, a bad token, or more than
 /// `max_tokens` tokens in total.
-pub fn scan_json(
+pub fn scan_json<S: AsRef<str>>(
     body: &[u8],
-    fields: &[(&str, FieldKind)],
+    fields: &[(S, FieldKind)],
     tokens: &mut Vec<u32>,
     found: &mut [Found],
     max_tokens: usize,
@@ -330,7 +330,9 @@ pub fn scan_json(
             p.expect(b':')?;
             p.ws();
             let key = &body[ks..ke];
-            let slot = fields.iter().position(|(name, _)| name.as_bytes() == key);
+            let slot = fields
+                .iter()
+                .position(|(name, _)| name.as_ref().as_bytes() == key);
             match slot {
                 Some(fi) if found.get(fi) == Some(&Found::Absent) => {
                     let value = match fields[fi].1 {

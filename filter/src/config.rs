@@ -1,0 +1,662 @@
+//! The plugin configuration: the JSON of DESIGN.md ("Filter configuration"), parsed with serde
+//! into raw structs that refuse unknown keys, then validated into [`Config`].
+//!
+//! Every key but `collector.cluster` has a default; see filter/README.md for the table.
+
+use std::fmt;
+
+use kvroute::bucket::Limits;
+use kvroute::intake::FieldKind;
+use kvroute::select::Weights;
+use serde::Deserialize;
+
+/// Where one value comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// A request header (lowercase name).
+    Header(String),
+    /// A top-level field of the JSON body.
+    Body(String),
+    /// A property path (Envoy metadata or filter state), read with `get_property`.
+    Metadata(Vec<String>),
+}
+
+impl Source {
+    pub fn is_body(&self) -> bool {
+        matches!(self, Source::Body(_))
+    }
+}
+
+/// Index access mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// A shared-data copy of the index, synced from `/v1/feed` by one VM.
+    Local,
+    /// A `/query` callout per request.
+    Remote,
+}
+
+/// A configuration error, naming the key.
+#[derive(Debug)]
+pub struct ConfigError {
+    pub path: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() || self.path == "." {
+            write!(f, "invalid kvroute configuration: {}", self.message)
+        } else {
+            write!(
+                f,
+                "invalid kvroute configuration at key `{}`: {}",
+                self.path, self.message
+            )
+        }
+    }
+}
+
+fn err(path: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        path: path.to_owned(),
+        message: message.into(),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    collector: RawCollector,
+    #[serde(default)]
+    index: RawIndex,
+    #[serde(default = "default_token_sources")]
+    tokens: RawSources,
+    #[serde(default = "default_model_sources")]
+    model: RawSources,
+    #[serde(default = "default_tenant_sources")]
+    tenant: RawSources,
+    #[serde(default = "default_salt_sources")]
+    cache_salt: RawSources,
+    #[serde(default = "default_max_body_bytes")]
+    max_body_bytes: u64,
+    #[serde(default = "default_destination_header")]
+    destination_header: String,
+    #[serde(default = "default_dp_rank_header")]
+    dp_rank_header: String,
+    #[serde(default)]
+    debug_header: Option<String>,
+    #[serde(default)]
+    load: RawLoad,
+    #[serde(default)]
+    weights: RawWeights,
+    #[serde(default)]
+    log_level: Option<String>,
+    #[serde(default)]
+    random_seed: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCollector {
+    cluster: String,
+    #[serde(default = "default_authority")]
+    authority: String,
+    #[serde(default = "default_query_timeout")]
+    query_timeout_ms: u32,
+    #[serde(default = "default_feed_timeout")]
+    feed_timeout_ms: u32,
+    #[serde(default)]
+    read_token: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawIndex {
+    #[serde(default = "default_mode")]
+    mode: Mode,
+    #[serde(default = "default_sync_interval")]
+    sync_interval_ms: u32,
+    #[serde(default = "default_stale_after")]
+    stale_after_ms: u64,
+    #[serde(default = "default_buckets")]
+    buckets: u32,
+    #[serde(default = "default_max_workers")]
+    max_workers: u32,
+    #[serde(default = "default_max_bucket_keys")]
+    max_bucket_keys: u16,
+    #[serde(default = "default_max_models")]
+    max_models: u16,
+    #[serde(default = "default_max_blocks_per_tick")]
+    max_blocks_per_tick: u64,
+}
+
+impl Default for RawIndex {
+    fn default() -> Self {
+        RawIndex {
+            mode: default_mode(),
+            sync_interval_ms: default_sync_interval(),
+            stale_after_ms: default_stale_after(),
+            buckets: default_buckets(),
+            max_workers: default_max_workers(),
+            max_bucket_keys: default_max_bucket_keys(),
+            max_models: default_max_models(),
+            max_blocks_per_tick: default_max_blocks_per_tick(),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSources {
+    sources: Vec<String>,
+    #[serde(default)]
+    default: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLoad {
+    #[serde(default = "default_load_ttl")]
+    ttl_ms: u64,
+}
+
+impl Default for RawLoad {
+    fn default() -> Self {
+        RawLoad {
+            ttl_ms: default_load_ttl(),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWeights {
+    #[serde(default = "w_gpu")]
+    gpu: f64,
+    #[serde(default = "w_cpu")]
+    cpu: f64,
+    #[serde(default = "w_disk")]
+    disk: f64,
+    #[serde(default = "w_one")]
+    overlap: f64,
+    #[serde(default = "w_one")]
+    request: f64,
+}
+
+impl Default for RawWeights {
+    fn default() -> Self {
+        let d = Weights::default();
+        RawWeights {
+            gpu: d.tiers[0],
+            cpu: d.tiers[1],
+            disk: d.tiers[2],
+            overlap: d.overlap,
+            request: d.request,
+        }
+    }
+}
+
+fn w_gpu() -> f64 {
+    Weights::default().tiers[0]
+}
+fn w_cpu() -> f64 {
+    Weights::default().tiers[1]
+}
+fn w_disk() -> f64 {
+    Weights::default().tiers[2]
+}
+fn w_one() -> f64 {
+    1.0
+}
+fn default_token_sources() -> RawSources {
+    RawSources {
+        sources: [
+            "header:x-token-ids",
+            "body:prompt",
+            "body:prompt_token_ids",
+            "body:input_ids",
+        ]
+        .map(str::to_owned)
+        .to_vec(),
+        default: None,
+    }
+}
+fn default_model_sources() -> RawSources {
+    RawSources {
+        sources: vec!["body:model".into(), "header:x-model".into()],
+        default: None,
+    }
+}
+fn default_tenant_sources() -> RawSources {
+    RawSources {
+        sources: vec!["header:x-tenant-id".into()],
+        default: Some("default".into()),
+    }
+}
+fn default_salt_sources() -> RawSources {
+    RawSources {
+        sources: vec!["body:cache_salt".into()],
+        default: None,
+    }
+}
+fn default_max_body_bytes() -> u64 {
+    1_000_000
+}
+fn default_destination_header() -> String {
+    "x-gateway-destination-endpoint".into()
+}
+fn default_dp_rank_header() -> String {
+    "x-data-parallel-rank".into()
+}
+fn default_authority() -> String {
+    "kvroute-collector".into()
+}
+fn default_query_timeout() -> u32 {
+    20
+}
+fn default_feed_timeout() -> u32 {
+    1000
+}
+fn default_mode() -> Mode {
+    Mode::Local
+}
+fn default_sync_interval() -> u32 {
+    100
+}
+fn default_stale_after() -> u64 {
+    5000
+}
+fn default_buckets() -> u32 {
+    16384
+}
+fn default_max_workers() -> u32 {
+    256
+}
+fn default_max_bucket_keys() -> u16 {
+    4096
+}
+fn default_max_models() -> u16 {
+    1024
+}
+fn default_max_blocks_per_tick() -> u64 {
+    262_144
+}
+fn default_load_ttl() -> u64 {
+    120_000
+}
+
+/// One value's sources, in order, and its default.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sources {
+    pub sources: Vec<Source>,
+    pub default: Option<String>,
+}
+
+impl Sources {
+    pub fn needs_body(&self) -> bool {
+        self.sources.iter().any(Source::is_body)
+    }
+}
+
+/// The validated configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Collector cluster name (Envoy cluster the callouts go to). Required.
+    pub cluster: String,
+    /// `:authority` of callouts. Default `kvroute-collector`.
+    pub authority: String,
+    /// `/query` callout timeout, ms. Default 20.
+    pub query_timeout_ms: u32,
+    /// `/v1/feed` callout timeout, ms. Default 1000.
+    pub feed_timeout_ms: u32,
+    /// Bearer token for the collector's read endpoints. Default none.
+    pub read_token: Option<String>,
+    /// `local` (default) or `remote`.
+    pub mode: Mode,
+    /// Feed pull period, ms. Default 100.
+    pub sync_interval_ms: u32,
+    /// Older index → fail open, ms. Default 5000.
+    pub stale_after_ms: u64,
+    /// Shared-data layout sizes (buckets default 16384, max_workers 256,
+    /// max_bucket_keys 4096, max_models 1024).
+    pub limits: Limits,
+    /// Block holds the lease holder applies per tick before waiting for the next. Default 262144.
+    pub max_blocks_per_tick: u64,
+    pub tokens: Sources,
+    pub model: Sources,
+    pub tenant: Sources,
+    pub cache_salt: Sources,
+    /// Bodies larger than this are not buffered: continue unrouted (`too_large`). Default 1000000.
+    pub max_body_bytes: u64,
+    /// Route header. Default `x-gateway-destination-endpoint`.
+    pub destination_header: String,
+    /// dp-rank header. Default `x-data-parallel-rank`.
+    pub dp_rank_header: String,
+    /// Optional response header with the decision. Default none.
+    pub debug_header: Option<String>,
+    /// Time-to-live of in-flight load counts, ms. Default 120000.
+    pub load_ttl_ms: u64,
+    pub weights: Weights,
+    /// `trace|debug|info|warn|error|critical`. Default `warn`.
+    pub log_level: log::LevelFilter,
+    /// Fixed seed of the tie-break randomness (tests). Default: from the VM id and clock.
+    pub random_seed: Option<u64>,
+    /// The JSON body fields to extract, in one list for the scanner.
+    pub body_fields: Vec<(String, FieldKind)>,
+}
+
+impl Config {
+    /// Whether any source of any value is the body.
+    pub fn needs_body(&self) -> bool {
+        self.tokens.needs_body()
+            || self.model.needs_body()
+            || self.tenant.needs_body()
+            || self.cache_salt.needs_body()
+    }
+
+    /// Index of a body field in [`Config::body_fields`].
+    pub fn body_field(&self, name: &str) -> Option<usize> {
+        self.body_fields.iter().position(|(n, _)| n == name)
+    }
+}
+
+/// Parses and validates one configuration document (no Higress wrapper).
+///
+/// # Errors
+/// [`ConfigError`] naming the key.
+pub fn parse(json: &[u8]) -> Result<Config, ConfigError> {
+    let de = &mut serde_json::Deserializer::from_slice(json);
+    let raw: RawConfig = serde_path_to_error::deserialize(de)
+        .map_err(|e| err(&e.path().to_string(), e.inner().to_string()))?;
+    validate(raw)
+}
+
+/// Parses a configuration given as a JSON value.
+///
+/// # Errors
+/// [`ConfigError`] naming the key.
+pub fn from_value(v: serde_json::Value) -> Result<Config, ConfigError> {
+    let raw: RawConfig = serde_path_to_error::deserialize(v)
+        .map_err(|e| err(&e.path().to_string(), e.inner().to_string()))?;
+    validate(raw)
+}
+
+fn sources(path: &str, raw: RawSources, tokens: bool) -> Result<Sources, ConfigError> {
+    let mut out = Vec::new();
+    for (i, s) in raw.sources.iter().enumerate() {
+        let p = format!("{path}.sources[{i}]");
+        let (kind, rest) = s.split_once(':').ok_or_else(|| {
+            err(
+                &p,
+                format!("`{s}`: expected header:NAME, body:FIELD or metadata:PATH"),
+            )
+        })?;
+        if rest.is_empty() {
+            return Err(err(&p, format!("`{s}`: empty name")));
+        }
+        out.push(match kind {
+            "header" => Source::Header(rest.to_ascii_lowercase()),
+            "body" => Source::Body(rest.to_owned()),
+            "metadata" => {
+                let sep = if rest.contains('/') { '/' } else { '.' };
+                let parts: Vec<String> = rest.split(sep).map(str::to_owned).collect();
+                if parts.iter().any(String::is_empty) {
+                    return Err(err(&p, format!("`{s}`: empty path segment")));
+                }
+                Source::Metadata(parts)
+            }
+            other => {
+                return Err(err(
+                    &p,
+                    format!("unknown source kind `{other}` (header, body, metadata)"),
+                ))
+            }
+        });
+    }
+    if tokens && out.is_empty() {
+        return Err(err(
+            &format!("{path}.sources"),
+            "at least one token source is needed",
+        ));
+    }
+    Ok(Sources {
+        sources: out,
+        default: raw.default.filter(|d| !d.is_empty()),
+    })
+}
+
+fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
+    if raw.collector.cluster.is_empty() {
+        return Err(err("collector.cluster", "must not be empty"));
+    }
+    let b = raw.index.buckets;
+    if !b.is_power_of_two() || b > 1 << 20 {
+        return Err(err(
+            "index.buckets",
+            format!("{b}: must be a power of two up to 1048576"),
+        ));
+    }
+    if raw.index.max_workers == 0 || raw.index.max_workers > 65_535 {
+        return Err(err("index.max_workers", "must be 1..=65535"));
+    }
+    if raw.index.max_bucket_keys == 0 {
+        return Err(err("index.max_bucket_keys", "must be at least 1"));
+    }
+    if raw.index.sync_interval_ms == 0 {
+        return Err(err("index.sync_interval_ms", "must be at least 1"));
+    }
+    if raw.index.max_blocks_per_tick == 0 {
+        return Err(err("index.max_blocks_per_tick", "must be at least 1"));
+    }
+    if raw.max_body_bytes > u32::MAX as u64 {
+        return Err(err("max_body_bytes", "must fit in 32 bits"));
+    }
+    for (k, v) in [
+        ("destination_header", &raw.destination_header),
+        ("dp_rank_header", &raw.dp_rank_header),
+    ] {
+        if v.is_empty() || !v.bytes().all(|c| c.is_ascii_graphic() && c != b':') {
+            return Err(err(k, format!("`{v}` is not a header name")));
+        }
+    }
+    let w = &raw.weights;
+    for (k, v) in [
+        ("gpu", w.gpu),
+        ("cpu", w.cpu),
+        ("disk", w.disk),
+        ("overlap", w.overlap),
+        ("request", w.request),
+    ] {
+        if !v.is_finite() || v < 0.0 {
+            return Err(err(&format!("weights.{k}"), "must be a finite number >= 0"));
+        }
+    }
+    let log_level = match raw.log_level.as_deref().unwrap_or("warn") {
+        "trace" => log::LevelFilter::Trace,
+        "debug" => log::LevelFilter::Debug,
+        "info" => log::LevelFilter::Info,
+        "warn" => log::LevelFilter::Warn,
+        "error" => log::LevelFilter::Error,
+        "critical" | "off" => log::LevelFilter::Off,
+        other => {
+            return Err(err(
+                "log_level",
+                format!("`{other}`: expected trace, debug, info, warn, error or critical"),
+            ))
+        }
+    };
+    let tokens = sources("tokens", raw.tokens, true)?;
+    let model = sources("model", raw.model, false)?;
+    let tenant = sources("tenant", raw.tenant, false)?;
+    let cache_salt = sources("cache_salt", raw.cache_salt, false)?;
+    let mut body_fields: Vec<(String, FieldKind)> = Vec::new();
+    for (path, s, kind) in [
+        ("tokens", &tokens, FieldKind::Tokens),
+        ("model", &model, FieldKind::Str),
+        ("tenant", &tenant, FieldKind::Str),
+        ("cache_salt", &cache_salt, FieldKind::Str),
+    ] {
+        for src in &s.sources {
+            if let Source::Body(name) = src {
+                match body_fields.iter().find(|(n, _)| n == name) {
+                    Some((_, k)) if *k != kind => {
+                        return Err(err(
+                            &format!("{path}.sources"),
+                            format!("body field `{name}` is used both as tokens and as a string"),
+                        ));
+                    }
+                    Some(_) => {}
+                    None => body_fields.push((name.clone(), kind)),
+                }
+            }
+        }
+    }
+    Ok(Config {
+        cluster: raw.collector.cluster,
+        authority: raw.collector.authority,
+        query_timeout_ms: raw.collector.query_timeout_ms,
+        feed_timeout_ms: raw.collector.feed_timeout_ms,
+        read_token: raw.collector.read_token.filter(|t| !t.is_empty()),
+        mode: raw.index.mode,
+        sync_interval_ms: raw.index.sync_interval_ms,
+        stale_after_ms: raw.index.stale_after_ms,
+        limits: Limits {
+            buckets_log2: b.trailing_zeros() as u8,
+            max_workers: raw.index.max_workers,
+            max_bucket_keys: raw.index.max_bucket_keys,
+            max_models: raw.index.max_models,
+        },
+        max_blocks_per_tick: raw.index.max_blocks_per_tick,
+        tokens,
+        model,
+        tenant,
+        cache_salt,
+        max_body_bytes: raw.max_body_bytes,
+        destination_header: raw.destination_header.to_ascii_lowercase(),
+        dp_rank_header: raw.dp_rank_header.to_ascii_lowercase(),
+        debug_header: raw
+            .debug_header
+            .filter(|h| !h.is_empty())
+            .map(|h| h.to_ascii_lowercase()),
+        load_ttl_ms: raw.load.ttl_ms,
+        weights: Weights {
+            tiers: [w.gpu, w.cpu, w.disk],
+            overlap: w.overlap,
+            request: w.request,
+        },
+        log_level,
+        random_seed: raw.random_seed,
+        body_fields,
+    })
+}
+
+/// How a Higress rule matches a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Matcher {
+    /// `_match_route_`: the `route_name` property is one of these.
+    Route(Vec<String>),
+    /// `_match_domain_`: the `:authority` (port stripped) matches one of these
+    /// (`*.example.com` suffix, `api*` prefix, or exact).
+    Domain(Vec<String>),
+    /// `_match_service_`: the `cluster_name` property is or ends with one of these
+    /// (Higress cluster names look like `outbound|80||svc.ns.svc.cluster.local`).
+    Service(Vec<String>),
+    /// `_match_route_prefix_`: the `route_name` starts with one of these.
+    RoutePrefix(Vec<String>),
+}
+
+/// The whole plugin configuration: the global one and, in the Higress build, per-rule ones.
+#[derive(Clone, Debug)]
+pub struct Plugin {
+    pub global: std::rc::Rc<Config>,
+    pub rules: Vec<(Matcher, std::rc::Rc<Config>)>,
+}
+
+/// Parses the plugin configuration. In the Higress build a top-level `_rules_` array is
+/// Higress's wrapper: each rule names one matcher and its config keys, laid over the global
+/// keys (a rule repeats only what differs). Elsewhere `_rules_` is an unknown key.
+///
+/// # Errors
+/// [`ConfigError`] naming the key.
+pub fn parse_plugin(json: &[u8]) -> Result<Plugin, ConfigError> {
+    let json = if json.iter().all(u8::is_ascii_whitespace) {
+        b"{}".as_slice()
+    } else {
+        json
+    };
+    if !cfg!(feature = "higress") {
+        return Ok(Plugin {
+            global: std::rc::Rc::new(parse(json)?),
+            rules: Vec::new(),
+        });
+    }
+    let mut value: serde_json::Value =
+        serde_json::from_slice(json).map_err(|e| err("", e.to_string()))?;
+    let Some(obj) = value.as_object_mut() else {
+        return Err(err("", "expected a JSON object"));
+    };
+    let rules = obj.remove("_rules_");
+    let global_obj = obj.clone();
+    let global = std::rc::Rc::new(from_value(value)?);
+    let mut out = Vec::new();
+    if let Some(rules) = rules {
+        let Some(rules) = rules.as_array() else {
+            return Err(err("_rules_", "expected an array"));
+        };
+        for (i, rule) in rules.iter().enumerate() {
+            let path = format!("_rules_[{i}]");
+            let Some(rule) = rule.as_object() else {
+                return Err(err(&path, "expected an object"));
+            };
+            let mut merged = global_obj.clone();
+            let mut matcher = None;
+            for (k, v) in rule {
+                let list = || -> Result<Vec<String>, ConfigError> {
+                    serde_json::from_value::<Vec<String>>(v.clone())
+                        .map_err(|e| err(&format!("{path}.{k}"), e.to_string()))
+                };
+                let m = match k.as_str() {
+                    "_match_route_" => Some(Matcher::Route(list()?)),
+                    "_match_domain_" => Some(Matcher::Domain(list()?)),
+                    "_match_service_" => Some(Matcher::Service(list()?)),
+                    "_match_route_prefix_" => Some(Matcher::RoutePrefix(list()?)),
+                    _ => {
+                        merged.insert(k.clone(), v.clone());
+                        None
+                    }
+                };
+                if let Some(m) = m {
+                    if matcher.is_some() {
+                        return Err(err(
+                            &format!("{path}.{k}"),
+                            "a rule takes exactly one _match_*_ key",
+                        ));
+                    }
+                    matcher = Some(m);
+                }
+            }
+            let Some(matcher) = matcher else {
+                return Err(err(&path, "a rule needs one _match_*_ key"));
+            };
+            let cfg = from_value(serde_json::Value::Object(merged)).map_err(|e| ConfigError {
+                path: format!("{path}.{}", e.path),
+                message: e.message,
+            })?;
+            out.push((matcher, std::rc::Rc::new(cfg)));
+        }
+    }
+    Ok(Plugin { global, rules: out })
+}
+
+/// Whether a `_match_domain_` pattern matches a host (port already stripped).
+pub fn domain_matches(pattern: &str, host: &str) -> bool {
+    if let Some(suffix) = pattern.strip_prefix('*') {
+        host.ends_with(suffix)
+    } else if let Some(prefix) = pattern.strip_suffix('*') {
+        host.starts_with(prefix)
+    } else {
+        pattern.eq_ignore_ascii_case(host)
+    }
+}

@@ -1,0 +1,877 @@
+//! The HTTP context: intake, decision, output, load release.
+
+use std::rc::Rc;
+
+use kvroute::api::{QueryRequest, QueryResponse};
+use kvroute::bucket::{self, BucketView, Meta, Store};
+use kvroute::hash;
+use kvroute::intake::{self, Found, IntakeError};
+use kvroute::lookup::{longest_matches, WalkStats};
+use kvroute::scope::ScopeId;
+use kvroute::select::{self, Candidate};
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, BufferType, MapType};
+
+use crate::config::{Config, Matcher, Mode, Source, Sources};
+use crate::host::{self, HostStore};
+use crate::{Outcome, Scratch, VmRef};
+
+/// Most tokens taken from one header or metadata value.
+const MAX_STRING_TOKENS: usize = 1 << 20;
+
+/// Load-table ids of remote-mode instances carry this bit, so they never meet slot ids.
+const REMOTE_ID_BIT: u64 = 1 << 63;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Headers,
+    WaitingBody,
+    WaitingCallout,
+    Done,
+}
+
+/// A value being resolved through its sources: `Pending(i)` waits for the body at source `i`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Res<T> {
+    Pending(usize),
+    Done(Option<T>),
+}
+
+/// Where the tokens are: a header / metadata value parsed into `Scratch::str_tokens`, or a
+/// range of `Scratch::body_tokens`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tok {
+    Str,
+    Body(usize, usize),
+}
+
+struct BodyCtx<'a> {
+    bytes: &'a [u8],
+    found: &'a [Found],
+}
+
+pub(crate) struct Http {
+    vm: Option<VmRef>,
+    cfg: Option<Rc<Config>>,
+    id: u32,
+    phase: Phase,
+    body_possible: bool,
+    wrong_content_type: bool,
+    tokens: Res<Tok>,
+    model: Res<String>,
+    tenant: Res<String>,
+    salt: Res<String>,
+    outcome: Option<Outcome>,
+    /// Load taken at routing: (load-table id, prefill tokens), released in `on_log`.
+    routed: Option<(u64, u32)>,
+    callout: Option<u32>,
+    query_tokens: u32,
+    matched_tokens: u32,
+    reads: u32,
+}
+
+impl Http {
+    pub fn new(vm: VmRef, id: u32) -> Http {
+        Http {
+            vm: Some(vm),
+            cfg: None,
+            id,
+            phase: Phase::Headers,
+            body_possible: false,
+            wrong_content_type: false,
+            tokens: Res::Pending(0),
+            model: Res::Pending(0),
+            tenant: Res::Pending(0),
+            salt: Res::Pending(0),
+            outcome: None,
+            routed: None,
+            callout: None,
+            query_tokens: 0,
+            matched_tokens: 0,
+            reads: 0,
+        }
+    }
+
+    /// A context of a VM without a configuration (it never routes).
+    pub fn passthrough(id: u32) -> Http {
+        let mut h = Http::new_empty(id);
+        h.phase = Phase::Done;
+        h
+    }
+
+    fn new_empty(id: u32) -> Http {
+        Http {
+            vm: None,
+            cfg: None,
+            id,
+            phase: Phase::Done,
+            body_possible: false,
+            wrong_content_type: false,
+            tokens: Res::Done(None),
+            model: Res::Done(None),
+            tenant: Res::Done(None),
+            salt: Res::Done(None),
+            outcome: None,
+            routed: None,
+            callout: None,
+            query_tokens: 0,
+            matched_tokens: 0,
+            reads: 0,
+        }
+    }
+
+    fn finish(&mut self, vm: &VmRef, outcome: Outcome) {
+        self.phase = Phase::Done;
+        self.outcome = Some(outcome);
+        vm.metrics.count(outcome);
+        log::debug!("kvroute[{}]: {}", self.id, outcome.as_str());
+    }
+
+    /// The configuration of this request: a matching Higress rule's, or the global one.
+    fn select_config(vm: &VmRef) -> Rc<Config> {
+        let plugin = &vm.plugin;
+        if plugin.rules.is_empty() {
+            return plugin.global.clone();
+        }
+        let route = || {
+            host::get_property(&["route_name"])
+                .and_then(|v| String::from_utf8(v).ok())
+                .unwrap_or_default()
+        };
+        for (m, cfg) in &plugin.rules {
+            let hit = match m {
+                Matcher::Route(names) => {
+                    let r = route();
+                    names.iter().any(|n| *n == r)
+                }
+                Matcher::RoutePrefix(names) => {
+                    let r = route();
+                    names.iter().any(|n| r.starts_with(n.as_str()))
+                }
+                Matcher::Domain(patterns) => {
+                    let authority = host::get_header(MapType::HttpRequestHeaders, ":authority")
+                        .unwrap_or_default();
+                    let authority = String::from_utf8_lossy(&authority);
+                    let hostname = authority.rsplit_once(':').map_or(&*authority, |(h, p)| {
+                        if p.bytes().all(|c| c.is_ascii_digit()) {
+                            h
+                        } else {
+                            &authority
+                        }
+                    });
+                    patterns
+                        .iter()
+                        .any(|p| crate::config::domain_matches(p, hostname))
+                }
+                Matcher::Service(names) => {
+                    let c = host::get_property(&["cluster_name"])
+                        .and_then(|v| String::from_utf8(v).ok())
+                        .unwrap_or_default();
+                    names
+                        .iter()
+                        .any(|n| c == *n || c.ends_with(&format!("||{n}")))
+                }
+            };
+            if hit {
+                return cfg.clone();
+            }
+        }
+        plugin.global.clone()
+    }
+
+    fn resolve_str(
+        &self,
+        sources: &Sources,
+        from: usize,
+        body: Option<&BodyCtx<'_>>,
+        cfg: &Config,
+    ) -> Res<String> {
+        for (i, src) in sources.sources.iter().enumerate().skip(from) {
+            let value = match src {
+                Source::Header(name) => host::get_header(MapType::HttpRequestHeaders, name)
+                    .and_then(|v| String::from_utf8(v).ok()),
+                Source::Metadata(path) => {
+                    host::get_property(path).and_then(|v| String::from_utf8(v).ok())
+                }
+                Source::Body(field) => match body {
+                    None if self.body_possible => return Res::Pending(i),
+                    None => None,
+                    Some(b) => match cfg.body_field(field).and_then(|fi| b.found.get(fi)) {
+                        Some(Found::Str {
+                            start,
+                            end,
+                            escaped,
+                        }) => {
+                            let raw = b.bytes.get(*start..*end).unwrap_or_default();
+                            if *escaped {
+                                intake::unescape(raw)
+                            } else {
+                                std::str::from_utf8(raw).ok().map(str::to_owned)
+                            }
+                        }
+                        _ => None,
+                    },
+                },
+            };
+            if let Some(v) = value.filter(|v| !v.is_empty()) {
+                return Res::Done(Some(v));
+            }
+        }
+        Res::Done(sources.default.clone())
+    }
+
+    fn resolve_tokens(
+        &self,
+        sources: &Sources,
+        from: usize,
+        body: Option<&BodyCtx<'_>>,
+        cfg: &Config,
+        scratch: &mut Scratch,
+    ) -> Result<Res<Tok>, Outcome> {
+        for (i, src) in sources.sources.iter().enumerate().skip(from) {
+            let value = match src {
+                Source::Header(name) => host::get_header(MapType::HttpRequestHeaders, name),
+                Source::Metadata(path) => host::get_property(path),
+                Source::Body(field) => {
+                    match body {
+                        None if self.body_possible => return Ok(Res::Pending(i)),
+                        None => {}
+                        Some(b) => {
+                            if let Some(Found::Tokens { start, end }) =
+                                cfg.body_field(field).and_then(|fi| b.found.get(fi))
+                            {
+                                return Ok(Res::Done(Some(Tok::Body(*start, *end))));
+                            }
+                        }
+                    }
+                    continue;
+                }
+            };
+            let Some(v) = value.filter(|v| !v.is_empty()) else {
+                continue;
+            };
+            return match intake::parse_token_string(&v, &mut scratch.str_tokens, MAX_STRING_TOKENS)
+            {
+                Ok(()) => Ok(Res::Done(Some(Tok::Str))),
+                Err(e) => {
+                    log::debug!("kvroute[{}]: bad token value: {e}", self.id);
+                    Err(Outcome::BadHeader)
+                }
+            };
+        }
+        Ok(Res::Done(None))
+    }
+
+    /// Moves every value's resolution on; `Err` ends the request with that outcome.
+    fn resolve(
+        &mut self,
+        body: Option<&BodyCtx<'_>>,
+        cfg: &Config,
+        scratch: &mut Scratch,
+    ) -> Result<bool, Outcome> {
+        if let Res::Pending(i) = self.tokens {
+            self.tokens = self.resolve_tokens(&cfg.tokens, i, body, cfg, scratch)?;
+        }
+        if let Res::Pending(i) = self.model {
+            self.model = self.resolve_str(&cfg.model, i, body, cfg);
+        }
+        if let Res::Pending(i) = self.tenant {
+            self.tenant = self.resolve_str(&cfg.tenant, i, body, cfg);
+        }
+        if let Res::Pending(i) = self.salt {
+            self.salt = self.resolve_str(&cfg.cache_salt, i, body, cfg);
+        }
+        let pending = [
+            matches!(self.tokens, Res::Pending(_)),
+            matches!(self.model, Res::Pending(_)),
+            matches!(self.tenant, Res::Pending(_)),
+            matches!(self.salt, Res::Pending(_)),
+        ];
+        Ok(pending.iter().any(|p| *p))
+    }
+
+    /// Everything is known: decide and write the headers. Returns the action for the
+    /// current callback.
+    fn decide(&mut self, vm: &VmRef, cfg: &Config, scratch: &mut Scratch) -> Action {
+        let tokens: &[u32] = match self.tokens {
+            Res::Done(Some(Tok::Str)) => &scratch.str_tokens,
+            Res::Done(Some(Tok::Body(s, e))) => scratch.body_tokens.get(s..e).unwrap_or_default(),
+            _ => &[],
+        };
+        if tokens.is_empty() {
+            let o = if self.wrong_content_type {
+                Outcome::BadBody
+            } else {
+                Outcome::NoTokens
+            };
+            self.finish(vm, o);
+            return Action::Continue;
+        }
+        let Res::Done(Some(served)) = self.model.clone() else {
+            self.finish(vm, Outcome::NoModel);
+            return Action::Continue;
+        };
+        let tenant = match &self.tenant {
+            Res::Done(Some(t)) => t.clone(),
+            _ => kvroute::scope::DEFAULT_TENANT.to_owned(),
+        };
+        let salt = match &self.salt {
+            Res::Done(s) => s.clone(),
+            _ => None,
+        };
+        self.query_tokens = tokens.len().min(u32::MAX as usize) as u32;
+        match cfg.mode {
+            Mode::Local => self.decide_local(vm, cfg, scratch, &served, &tenant, salt.as_deref()),
+            Mode::Remote => self.call_remote(vm, cfg, scratch, &served, &tenant, salt.as_deref()),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn decide_local(
+        &mut self,
+        vm: &VmRef,
+        cfg: &Config,
+        scratch: &mut Scratch,
+        served: &str,
+        tenant: &str,
+        salt: Option<&str>,
+    ) -> Action {
+        let store = HostStore;
+        let now = host::now_ms();
+        let state = match bucket::read_state(&store, &vm.keys) {
+            Ok((s, _)) if !s.is_stale(now, cfg.stale_after_ms) => s,
+            _ => {
+                self.finish(vm, Outcome::StaleIndex);
+                return Action::Continue;
+            }
+        };
+        let Ok(mut cache) = vm.cache.try_borrow_mut() else {
+            self.finish(vm, Outcome::NoMatch);
+            return Action::Continue;
+        };
+        let key = (state.gen, state.stamp, state.meta_version);
+        if cache.key != Some(key) {
+            let meta = store
+                .get(&vm.keys.meta(state.gen))
+                .ok()
+                .and_then(|(v, _)| v)
+                .and_then(|v| Meta::decode(&v, state.stamp))
+                .unwrap_or_default();
+            cache.rebuild(key, meta);
+        }
+        let (model, lora) = cache.meta.resolve(tenant, served);
+        let Some(block_size) = cache.meta.block_size(tenant, model) else {
+            self.finish(vm, Outcome::NoMatch);
+            return Action::Continue;
+        };
+        let seed = hash::seed(lora, salt);
+        let scope = ScopeId::of(tenant, model, lora, salt);
+        let Scratch {
+            body_tokens,
+            str_tokens,
+            seqs,
+            keys,
+            ..
+        } = scratch;
+        let tokens: &[u32] = match self.tokens {
+            Res::Done(Some(Tok::Str)) => str_tokens,
+            Res::Done(Some(Tok::Body(s, e))) => body_tokens.get(s..e).unwrap_or_default(),
+            _ => &[],
+        };
+        if hash::sequence_hashes_into(tokens, block_size as usize, seed, seqs).is_err() {
+            self.finish(vm, Outcome::NoMatch);
+            return Action::Continue;
+        }
+        keys.clear();
+        keys.extend(seqs.iter().map(|s| scope.key(*s)));
+        if keys.is_empty() {
+            self.finish(vm, Outcome::NoMatch);
+            return Action::Continue;
+        }
+        let view = BucketView::new(&store, &vm.keys, &state, cfg.limits.buckets_log2);
+        let mut stats = WalkStats::default();
+        let matches = longest_matches(&view, keys, &mut stats);
+        self.reads = view.reads() + 2;
+        host::record_metric(vm.metrics.lookup_reads, view.reads() as u64);
+        if matches.is_empty() {
+            self.finish(vm, Outcome::NoMatch);
+            return Action::Continue;
+        }
+        // Fold dp ranks: each instance takes its rank with the most credit.
+        let n = cache.instances.len();
+        let mut cands = vec![Candidate::default(); n];
+        let mut best_credit = vec![-1.0f64; n];
+        for m in &matches {
+            let Some(&inst) = cache.slot_instance.get(m.worker.0 as usize) else {
+                continue;
+            };
+            let Some(c) = cands.get_mut(inst as usize) else {
+                continue;
+            };
+            let credit = select::credit(m.blocks, &cfg.weights);
+            if credit > best_credit[inst as usize] {
+                best_credit[inst as usize] = credit;
+                c.matched = m.blocks;
+                c.dp_rank = cache.meta.worker(m.worker.0).map_or(0, |w| w.dp_rank);
+            }
+        }
+        let table = load_table(vm);
+        for (i, inst) in cache.instances.iter().enumerate() {
+            let Some(c) = cands.get_mut(i) else { continue };
+            for &(slot, _) in &inst.slots {
+                let l = bucket::load_get(&table, slot as u64 + 1, now, cfg.load_ttl_ms);
+                c.in_flight_requests = c.in_flight_requests.saturating_add(l.requests);
+                c.in_flight_prefill_tokens += l.prefill_tokens as u64;
+            }
+        }
+        let choice = {
+            let Ok(mut rng) = vm.rng.try_borrow_mut() else {
+                self.finish(vm, Outcome::NoMatch);
+                return Action::Continue;
+            };
+            select::pick(
+                &cands,
+                keys.len() as u32,
+                block_size,
+                &cfg.weights,
+                &mut *rng,
+            )
+        };
+        let Some(choice) = choice else {
+            self.finish(vm, Outcome::NoMatch);
+            return Action::Continue;
+        };
+        let Some(best) = cache.instances.get(choice.best) else {
+            self.finish(vm, Outcome::NoMatch);
+            return Action::Continue;
+        };
+        let runner = choice
+            .runner_up
+            .and_then(|r| cache.instances.get(r))
+            .map(|i| i.address.as_str());
+        let multi_rank = best.slots.len() > 1;
+        let slot = best
+            .slots
+            .iter()
+            .find(|(_, r)| *r == choice.dp_rank)
+            .or(best.slots.first())
+            .map_or(0, |s| s.0);
+        let address = best.address.clone();
+        let runner = runner.map(str::to_owned);
+        drop(cache);
+        self.route(
+            vm,
+            cfg,
+            &address,
+            runner.as_deref(),
+            multi_rank.then_some(choice.dp_rank),
+            slot as u64 + 1,
+            choice.matched_blocks,
+            block_size,
+            now,
+        );
+        Action::Continue
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn route(
+        &mut self,
+        vm: &VmRef,
+        cfg: &Config,
+        best: &str,
+        runner: Option<&str>,
+        dp_rank: Option<u32>,
+        load_id: u64,
+        matched_blocks: u32,
+        block_size: u32,
+        now: u64,
+    ) {
+        let value = match runner.filter(|r| *r != best && !r.is_empty()) {
+            Some(r) => format!("{best},{r}"),
+            None => best.to_owned(),
+        };
+        host::set_header(
+            MapType::HttpRequestHeaders,
+            &cfg.destination_header,
+            value.as_bytes(),
+        );
+        if let Some(rank) = dp_rank {
+            host::set_header(
+                MapType::HttpRequestHeaders,
+                &cfg.dp_rank_header,
+                rank.to_string().as_bytes(),
+            );
+        }
+        #[cfg(feature = "higress")]
+        host::set_upstream_override_host(best);
+        let matched =
+            (matched_blocks as u64 * block_size as u64).min(self.query_tokens as u64) as u32;
+        self.matched_tokens = matched;
+        let prefill = self.query_tokens - matched;
+        match bucket::load_update(
+            &HostStore,
+            &vm.keys,
+            cfg.limits.max_workers,
+            load_id,
+            1,
+            prefill as i64,
+            now,
+            cfg.load_ttl_ms,
+        ) {
+            Ok(true) => self.routed = Some((load_id, prefill)),
+            _ => host::increment_metric(vm.metrics.load_errors, 1),
+        }
+        if self.query_tokens > 0 {
+            host::record_metric(
+                vm.metrics.matched_ratio_pct,
+                matched as u64 * 100 / self.query_tokens as u64,
+            );
+        }
+        self.finish(vm, Outcome::Routed);
+    }
+
+    fn call_remote(
+        &mut self,
+        vm: &VmRef,
+        cfg: &Config,
+        scratch: &mut Scratch,
+        served: &str,
+        tenant: &str,
+        salt: Option<&str>,
+    ) -> Action {
+        let tokens: &[u32] = match self.tokens {
+            Res::Done(Some(Tok::Str)) => &scratch.str_tokens,
+            Res::Done(Some(Tok::Body(s, e))) => scratch.body_tokens.get(s..e).unwrap_or_default(),
+            _ => &[],
+        };
+        let req = QueryRequest {
+            token_ids: tokens.to_vec(),
+            model_name: served.to_owned(),
+            tenant_id: Some(tenant.to_owned()),
+            lora_name: None,
+            cache_salt: salt.map(str::to_owned),
+        };
+        let Ok(body) = serde_json::to_vec(&req) else {
+            self.finish(vm, Outcome::CollectorError);
+            return Action::Continue;
+        };
+        let auth = cfg.read_token.as_ref().map(|t| format!("Bearer {t}"));
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", "/query"),
+            (":authority", cfg.authority.as_str()),
+            ("content-type", "application/json"),
+        ];
+        if let Some(a) = auth.as_deref() {
+            headers.push(("authorization", a));
+        }
+        match host::http_call(&cfg.cluster, headers, Some(&body), cfg.query_timeout_ms) {
+            Some(token) => {
+                self.callout = Some(token);
+                self.phase = Phase::WaitingCallout;
+                Action::Pause
+            }
+            None => {
+                self.finish(vm, Outcome::CollectorError);
+                Action::Continue
+            }
+        }
+    }
+
+    fn on_query_response(
+        &mut self,
+        vm: &VmRef,
+        cfg: &Config,
+        num_headers: usize,
+        body_size: usize,
+    ) {
+        let status = (num_headers > 0)
+            .then(|| host::get_header(MapType::HttpCallResponseHeaders, ":status"))
+            .flatten()
+            .and_then(|s| {
+                std::str::from_utf8(&s)
+                    .ok()
+                    .and_then(|s| s.parse::<u16>().ok())
+            });
+        if status != Some(200) {
+            log::debug!("kvroute[{}]: /query failed (status {status:?})", self.id);
+            self.finish(vm, Outcome::CollectorError);
+            return;
+        }
+        let body =
+            host::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).unwrap_or_default();
+        let Ok(resp) = serde_json::from_slice::<QueryResponse>(&body) else {
+            self.finish(vm, Outcome::CollectorError);
+            return;
+        };
+        let bs = resp.block_size.max(1) as u64;
+        let now = host::now_ms();
+        let table = load_table(vm);
+        let mut cands = Vec::with_capacity(resp.instances.len());
+        let mut meta = Vec::with_capacity(resp.instances.len());
+        for (id, m) in &resp.instances {
+            let blocks = |t: u64| (t / bs).min(u32::MAX as u64) as u32;
+            let dp_rank =
+                m.dp.iter()
+                    .filter_map(|(r, t)| r.parse::<u32>().ok().map(|r| (r, *t)))
+                    .max_by_key(|(r, t)| (*t, std::cmp::Reverse(*r)))
+                    .map_or(0, |(r, _)| r);
+            let load_id = fnv1a(id.as_bytes()) | REMOTE_ID_BIT;
+            let l = bucket::load_get(&table, load_id, now, cfg.load_ttl_ms);
+            cands.push(Candidate {
+                matched: [
+                    blocks(m.gpu),
+                    blocks(m.cpu),
+                    blocks(m.disk.max(m.longest_matched)),
+                ],
+                dp_rank,
+                in_flight_requests: l.requests,
+                in_flight_prefill_tokens: l.prefill_tokens as u64,
+            });
+            meta.push((m.address.as_str(), load_id, m.dp.len() > 1));
+        }
+        let choice = match vm.rng.try_borrow_mut() {
+            Ok(mut rng) => select::pick(
+                &cands,
+                resp.query_blocks,
+                bs as u32,
+                &cfg.weights,
+                &mut *rng,
+            ),
+            Err(_) => None,
+        };
+        let Some(choice) = choice else {
+            self.finish(vm, Outcome::NoMatch);
+            return;
+        };
+        let Some(&(address, load_id, multi)) = meta.get(choice.best) else {
+            self.finish(vm, Outcome::NoMatch);
+            return;
+        };
+        let runner = choice.runner_up.and_then(|r| meta.get(r)).map(|m| m.0);
+        self.route(
+            vm,
+            cfg,
+            address,
+            runner,
+            multi.then_some(choice.dp_rank),
+            load_id,
+            choice.matched_blocks,
+            bs as u32,
+            now,
+        );
+    }
+
+    fn config(&self) -> Option<(VmRef, Rc<Config>)> {
+        Some((self.vm.clone()?, self.cfg.clone()?))
+    }
+}
+
+fn load_table(vm: &VmRef) -> Vec<u8> {
+    HostStore
+        .get(&vm.keys.load())
+        .ok()
+        .and_then(|(v, _)| v)
+        .unwrap_or_default()
+}
+
+fn fnv1a(b: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &c in b {
+        h ^= c as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+fn is_json(content_type: &[u8]) -> bool {
+    let ct = content_type.to_ascii_lowercase();
+    ct.windows(4).any(|w| w == b"json")
+}
+
+impl Context for Http {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        if self.callout != Some(token_id) || self.phase != Phase::WaitingCallout {
+            return;
+        }
+        self.callout = None;
+        if let Some((vm, cfg)) = self.config() {
+            self.on_query_response(&vm, &cfg, num_headers, body_size);
+        }
+        self.phase = Phase::Done;
+        host::resume_request();
+    }
+}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        let cfg = Self::select_config(&vm);
+        self.cfg = Some(cfg.clone());
+        // Never let a client choose the upstream, routed or not.
+        host::remove_header(MapType::HttpRequestHeaders, &cfg.destination_header);
+        if self.phase != Phase::Headers {
+            return Action::Continue;
+        }
+        let ct_ok = host::get_header(MapType::HttpRequestHeaders, "content-type")
+            .is_none_or(|ct| is_json(&ct));
+        let body_sources = cfg.needs_body() && !end_of_stream;
+        self.body_possible = body_sources && ct_ok;
+        self.wrong_content_type = body_sources && !ct_ok;
+        let Ok(mut scratch) = vm.scratch.try_borrow_mut() else {
+            return Action::Continue;
+        };
+        match self.resolve(None, &cfg, &mut scratch) {
+            Err(o) => {
+                self.finish(&vm, o);
+                Action::Continue
+            }
+            Ok(true) => {
+                let too_large = host::get_header(MapType::HttpRequestHeaders, "content-length")
+                    .and_then(|v| {
+                        std::str::from_utf8(&v)
+                            .ok()
+                            .and_then(|s| s.trim().parse::<u64>().ok())
+                    })
+                    .is_some_and(|n| n > cfg.max_body_bytes);
+                if too_large {
+                    self.finish(&vm, Outcome::TooLarge);
+                    return Action::Continue;
+                }
+                self.phase = Phase::WaitingBody;
+                Action::Pause
+            }
+            Ok(false) => self.decide(&vm, &cfg, &mut scratch),
+        }
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.phase != Phase::WaitingBody {
+            return if self.phase == Phase::WaitingCallout {
+                Action::Pause
+            } else {
+                Action::Continue
+            };
+        }
+        let Some((vm, cfg)) = self.config() else {
+            return Action::Continue;
+        };
+        if body_size as u64 > cfg.max_body_bytes {
+            self.finish(&vm, Outcome::TooLarge);
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.body_end(&vm, &cfg, body_size)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.phase == Phase::WaitingCallout {
+            return Action::Pause;
+        }
+        if self.phase != Phase::WaitingBody {
+            return Action::Continue;
+        }
+        let Some((vm, cfg)) = self.config() else {
+            return Action::Continue;
+        };
+        // Trailers end the body: everything buffered is the body.
+        let size =
+            host::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX).map_or(0, |b| b.len());
+        if size as u64 > cfg.max_body_bytes {
+            self.finish(&vm, Outcome::TooLarge);
+            return Action::Continue;
+        }
+        self.body_end(&vm, &cfg, size)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if let Some((_, cfg)) = self.config() {
+            if let Some(name) = &cfg.debug_header {
+                let outcome = self.outcome.map_or("none", Outcome::as_str);
+                let v = format!(
+                    "outcome={outcome}; matched_tokens={}; query_tokens={}; reads={}",
+                    self.matched_tokens, self.query_tokens, self.reads
+                );
+                host::set_header(MapType::HttpResponseHeaders, name, v.as_bytes());
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        if let (Some((id, prefill)), Some((vm, cfg))) = (self.routed.take(), self.config()) {
+            let now = host::now_ms();
+            if bucket::load_update(
+                &HostStore,
+                &vm.keys,
+                cfg.limits.max_workers,
+                id,
+                -1,
+                -(prefill as i64),
+                now,
+                cfg.load_ttl_ms,
+            )
+            .is_err()
+            {
+                host::increment_metric(vm.metrics.load_errors, 1);
+            }
+        }
+    }
+}
+
+impl Http {
+    fn body_end(&mut self, vm: &VmRef, cfg: &Rc<Config>, size: usize) -> Action {
+        let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
+        let Ok(mut scratch) = vm.scratch.try_borrow_mut() else {
+            return Action::Continue;
+        };
+        let scratch = &mut *scratch;
+        scratch.found.clear();
+        scratch.found.resize(cfg.body_fields.len(), Found::Absent);
+        let max_tokens = (cfg.max_body_bytes as usize / 2).max(1);
+        let scanned = intake::scan_json(
+            &body,
+            &cfg.body_fields,
+            &mut scratch.body_tokens,
+            &mut scratch.found,
+            max_tokens,
+        );
+        let found = std::mem::take(&mut scratch.found);
+        let result = match scanned {
+            Ok(()) => {
+                let ctx = BodyCtx {
+                    bytes: &body,
+                    found: &found,
+                };
+                self.resolve(Some(&ctx), cfg, scratch)
+            }
+            Err(IntakeError::Empty) => {
+                // No body after all: the remaining body sources have nothing.
+                self.body_possible = false;
+                self.resolve(None, cfg, scratch)
+            }
+            Err(e) => {
+                log::debug!("kvroute[{}]: bad body: {e}", self.id);
+                Err(Outcome::BadBody)
+            }
+        };
+        scratch.found = found;
+        match result {
+            Err(o) => {
+                self.finish(vm, o);
+                Action::Continue
+            }
+            Ok(_) => self.decide(vm, cfg, scratch),
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! The root context: configuration, metrics, and the feed sync of the lease holder.
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+use kvroute::bucket::{self, Keys, SyncError};
+use kvroute::feed::Page;
+use kvroute::select::SplitMix64;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{BufferType, ContextType, MapType};
+
+use crate::config::{self, Mode};
+use crate::host::{self, HostStore};
+use crate::http::Http;
+use crate::{MetaCache, Metrics, Scratch, Vm, VmRef};
+
+pub(crate) struct Root {
+    vm: Option<VmRef>,
+    /// The feed callout in flight, if any, and when it was sent (ms).
+    in_flight: Option<(u32, u64)>,
+    /// Block holds applied in the current tick.
+    blocks_this_tick: u64,
+    ticks: Cell<u64>,
+    last_error_log_ms: u64,
+}
+
+impl Root {
+    pub fn new() -> Root {
+        Root {
+            vm: None,
+            in_flight: None,
+            blocks_this_tick: 0,
+            ticks: Cell::new(0),
+            last_error_log_ms: 0,
+        }
+    }
+
+    fn lease_ms(cfg: &config::Config) -> u64 {
+        (cfg.sync_interval_ms as u64 * 3)
+            .max(cfg.feed_timeout_ms as u64 + 2 * cfg.sync_interval_ms as u64)
+    }
+
+    /// Pulls the next feed page.
+    fn pull(&mut self, vm: &Vm) {
+        let cfg = vm.config();
+        let store = HostStore;
+        let query = match bucket::read_state(&store, &vm.keys) {
+            Ok((s, _)) => s.feed_query(),
+            Err(_) => String::new(),
+        };
+        let path = format!("/v1/feed{query}");
+        let auth = cfg.read_token.as_ref().map(|t| format!("Bearer {t}"));
+        let mut headers = vec![
+            (":method", "GET"),
+            (":path", path.as_str()),
+            (":authority", cfg.authority.as_str()),
+        ];
+        if let Some(a) = auth.as_deref() {
+            headers.push(("authorization", a));
+        }
+        match host::http_call(&cfg.cluster, headers, None, cfg.feed_timeout_ms) {
+            Some(token) => self.in_flight = Some((token, host::now_ms())),
+            None => {
+                host::increment_metric(vm.metrics.feed_errors, 1);
+                self.log_error(&format!(
+                    "kvroute: cannot call cluster `{}` for the feed",
+                    cfg.cluster
+                ));
+            }
+        }
+    }
+
+    fn log_error(&mut self, msg: &str) {
+        // At most one line per second per VM: a collector that is down must not flood logs.
+        let now = host::now_ms();
+        if now.saturating_sub(self.last_error_log_ms) >= 1000 {
+            self.last_error_log_ms = now;
+            log::warn!("{msg}");
+        }
+    }
+
+    fn on_feed(&mut self, vm: &Vm, num_headers: usize, body_size: usize) {
+        let status = (num_headers > 0)
+            .then(|| host::get_header(MapType::HttpCallResponseHeaders, ":status"))
+            .flatten()
+            .and_then(|s| {
+                std::str::from_utf8(&s)
+                    .ok()
+                    .and_then(|s| s.parse::<u16>().ok())
+            });
+        if status != Some(200) {
+            host::increment_metric(vm.metrics.feed_errors, 1);
+            self.log_error(&format!("kvroute: feed pull failed (status {status:?})"));
+            return;
+        }
+        let body =
+            host::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).unwrap_or_default();
+        host::increment_metric(vm.metrics.feed_bytes, body.len() as i64);
+        let page = match Page::decode(&body) {
+            Ok(p) => p,
+            Err(e) => {
+                host::increment_metric(vm.metrics.feed_errors, 1);
+                self.log_error(&format!("kvroute: bad feed page: {e}"));
+                return;
+            }
+        };
+        host::increment_metric(vm.metrics.feed_pages, 1);
+        let cfg = vm.config();
+        let now = host::now_ms();
+        match bucket::apply_page(&HostStore, &vm.keys, &cfg.limits, &page, now) {
+            Ok(applied) => {
+                self.blocks_this_tick += applied.stats.blocks;
+                host::increment_metric(vm.metrics.bucket_full, applied.stats.bucket_full as i64);
+                if applied.switched {
+                    host::increment_metric(vm.metrics.resyncs, 1);
+                    log::info!(
+                        "kvroute: index switched in (epoch {}, cursor {})",
+                        page.epoch,
+                        page.cursor
+                    );
+                }
+                if applied.more && self.blocks_this_tick < cfg.max_blocks_per_tick {
+                    self.pull(vm);
+                }
+            }
+            Err(SyncError::EpochMismatch { .. }) => {
+                // The cursor was dropped: ask for a snapshot right away.
+                self.pull(vm);
+            }
+            Err(e) => {
+                host::increment_metric(vm.metrics.feed_errors, 1);
+                self.log_error(&format!("kvroute: feed page not applied: {e}"));
+            }
+        }
+        self.report_lag(vm);
+    }
+
+    fn report_lag(&self, vm: &Vm) {
+        if let Ok((s, _)) = bucket::read_state(&HostStore, &vm.keys) {
+            let lag = if s.has_index {
+                host::now_ms().saturating_sub(s.synced_at_ms)
+            } else {
+                u32::MAX as u64
+            };
+            host::record_metric(vm.metrics.sync_lag_ms, lag);
+        }
+    }
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        if self.in_flight.map(|(t, _)| t) != Some(token_id) {
+            return;
+        }
+        self.in_flight = None;
+        if let Some(vm) = self.vm.clone() {
+            self.on_feed(&vm, num_headers, body_size);
+        }
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
+        let raw = host::get_buffer(
+            BufferType::PluginConfiguration,
+            0,
+            plugin_configuration_size,
+        )
+        .unwrap_or_default();
+        let plugin = match config::parse_plugin(&raw) {
+            Ok(p) => p,
+            Err(e) => {
+                // Logged at error level whatever the configured level: Envoy rejects the config.
+                host::log(proxy_wasm::types::LogLevel::Error, &e.to_string());
+                return false;
+            }
+        };
+        log::set_max_level(plugin.global.log_level);
+        let name = host::get_property(&["plugin_name"])
+            .and_then(|n| String::from_utf8(n).ok())
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| "kvroute".to_owned());
+        let keys = Keys::new(&name);
+        let vm_id =
+            bucket::next_vm_id(&HostStore, &keys).unwrap_or_else(|_| host::now_ms() | 1 << 63);
+        let seed = plugin
+            .global
+            .random_seed
+            .unwrap_or(vm_id ^ host::now_ms().rotate_left(17));
+        let mode = plugin.global.mode;
+        let interval = plugin.global.sync_interval_ms;
+        self.vm = Some(Rc::new(Vm {
+            plugin,
+            keys,
+            metrics: Metrics::define(),
+            vm_id: Cell::new(vm_id),
+            rng: RefCell::new(SplitMix64(seed)),
+            cache: RefCell::new(MetaCache::default()),
+            scratch: RefCell::new(Scratch::default()),
+        }));
+        if mode == Mode::Local && !host::set_tick_period(interval) {
+            log::warn!("kvroute: cannot set the tick period");
+        }
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let Some(vm) = self.vm.clone() else { return };
+        self.ticks.set(self.ticks.get() + 1);
+        self.blocks_this_tick = 0;
+        let cfg = vm.config();
+        let now = host::now_ms();
+        if let Some((_, sent)) = self.in_flight {
+            // The host answers every callout (a timeout is an answer); this only guards a
+            // host that loses one.
+            if now.saturating_sub(sent) <= cfg.feed_timeout_ms as u64 * 2 + 1000 {
+                self.report_lag(&vm);
+                return;
+            }
+            self.in_flight = None;
+        }
+        match bucket::acquire_lease(
+            &HostStore,
+            &vm.keys,
+            vm.vm_id.get(),
+            now,
+            Self::lease_ms(cfg),
+        ) {
+            Ok(true) => self.pull(&vm),
+            Ok(false) => self.report_lag(&vm),
+            Err(e) => self.log_error(&format!("kvroute: lease: {e}")),
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        match &self.vm {
+            Some(vm) => Some(Box::new(Http::new(vm.clone(), context_id))),
+            None => Some(Box::new(Http::passthrough(context_id))),
+        }
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
