@@ -147,7 +147,7 @@ def main() -> int:
 
     wrk_bin = ensure_wrk()
     envoy = K.envoy_bin()
-    venv = Path(envoy).parents[4] if "site-packages" in envoy else K.REPO / ".venv"
+    venv = Path(os.environ.get("KVROUTE_VENV", str(K.REPO / ".venv")))
     peer = None if args.no_peer else ensure_vllm_router(venv)
     sizes = [int(s) for s in args.sizes.split(",")]
     zero_cost = ["--prefill-tokens-per-s", "1e12", "--prefill-overhead-ms", "0",
@@ -182,8 +182,8 @@ def main() -> int:
                 stack.warm(e, t, timeout=30)
                 stack.wait_routed(e, t, timeout=30)
             body_bytes = (bdir / "body1.json").stat().st_size
-            # The direct target gets only the prompts cached on engine 0... no: every engine
-            # answers every prompt (a miss costs nothing at zero prefill cost), so all bodies.
+            # `direct` sends every body to engine 0: at zero prefill cost a miss costs the
+            # engine nothing more than a hit.
             runs: dict[str, dict[str, list[dict]]] = {t: {"lat": [], "tput": []} for t in targets}
             for rnd in range(args.rounds):
                 for name, url in targets.items():
@@ -210,8 +210,6 @@ def main() -> int:
                     "rounds": r,
                 }
             results["sizes"][size] = {"body_bytes": body_bytes, "targets": summary}
-            if router is None and "vllm-router" in targets:
-                pass
         # kvroute really routed: its filter's destination header appears in the access log.
         routed = sum(1 for e in stack.access_log_entries()
                      if e.get("listener") == "kvroute" and e.get("dest"))

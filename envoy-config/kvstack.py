@@ -394,7 +394,8 @@ class Stack:
                 *self.cfg.engine_args]
 
     def start_engine(self, e: Engine, wait: bool = True) -> None:
-        e.proc = Proc(e.name, self.engine_argv(e), self.workdir / f"{e.name}.log")
+        e.proc = Proc(e.name, self.engine_argv(e), self.workdir / f"{e.name}.log",
+                      env={"NO_COLOR": "1"})
         if wait:
             self.wait_engine(e)
 
@@ -431,7 +432,8 @@ class Stack:
 
     def start_collector(self, timeout: float = 30.0) -> None:
         self.collector = Proc("collector", self.collector_argv(), self.workdir / "collector.log",
-                              env={"RUST_LOG": os.environ.get("RUST_LOG", "kvroute_collector=info")})
+                              env={"RUST_LOG": os.environ.get("RUST_LOG", "kvroute_collector=info"),
+                                   "NO_COLOR": "1"})
 
         def ok():
             if not self.collector.alive():
