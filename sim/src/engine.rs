@@ -1,0 +1,963 @@
+//! A simulated LLM engine: vLLM's scheduling and prefix caching reduced to their effect on
+//! time to first token, behind an OpenAI-style HTTP API, publishing real-format KV events.
+//!
+//! # Model
+//!
+//! - Each data-parallel rank has its own [`KvCache`], waiting queue and KV-event publisher
+//!   (ports offset by the rank, as vLLM does).
+//! - Admission is FCFS: the head of the waiting queue is admitted when fewer than
+//!   `max_running` requests run and its blocks fit (after evicting free cached blocks); else
+//!   everything behind it waits, as in vLLM's scheduler.
+//! - Prefill is one FCFS server per rank working at `prefill_tokens_per_s` on the *uncached*
+//!   prompt tokens (vLLM's chunked prefill works through admitted prompts in order with a
+//!   token budget per step, so prompts queue behind each other's compute). The first token
+//!   leaves `prefill_overhead` after the prefill ends.
+//! - Then one output token every `decode_per_token`; the request's blocks are freed at the
+//!   end (or when the client goes away).
+//! - Time runs `speed` times faster than real time: every duration is divided by `speed`, so
+//!   a trace replayed at `--speed X` against engines at `--speed X` sees the same utilization
+//!   as in real time, and measured times multiplied by X are simulated times.
+//!
+//! # Defaults (one H100 SXM serving Llama-3.1-8B in bf16 with vLLM)
+//!
+//! - `prefill_tokens_per_s = 20_000`: 8 B parameters cost ~2·8e9 = 1.6e10 FLOP per token; an
+//!   H100 SXM gives 989 TFLOP/s dense bf16 (NVIDIA's datasheet); at ~35–40 % MFU, typical of
+//!   long-prompt prefill with attention overhead, that is ~20–25 k tokens/s.
+//! - `decode_per_token = 8 ms`: decoding reads the 16 GB of weights per step from 3.35 TB/s
+//!   HBM3 (datasheet): ≥ 4.8 ms per step; batched decode with KV reads runs ~7–10 ms per token.
+//! - `capacity_blocks = 25_000` of 16 tokens (400 k tokens): Llama-3.1-8B keeps 2 · 32 layers ·
+//!   8 KV heads · 128 dims · 2 bytes = 128 KiB per token; 80 GB · 0.9 utilization − 16 GB of
+//!   weights − ~4 GB of activations leaves ~52 GB, ~400 k tokens (vLLM logs a KV cache of
+//!   this order for this model and GPU).
+//! - `max_running = 256` (vLLM's `max_num_seqs` default), `prefill_overhead = 15 ms` (one
+//!   scheduler step plus sampling and detokenization of the first token).
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+
+use crate::cache::{AdmitError, CacheConfig, CacheEvent, KvCache, RequestId};
+use crate::engine_hash::HashScheme;
+use crate::publisher::{PublishError, Publisher, PublisherConfig};
+use crate::tokenizer;
+use crate::wire::{self, EventFormat, Extras};
+
+/// Response header: prompt tokens served from the prefix cache.
+pub const HEADER_CACHED_TOKENS: &str = "x-kvroute-sim-cached-tokens";
+/// Response header: the engine (instance id) that served the request.
+pub const HEADER_ENGINE: &str = "x-kvroute-sim-engine";
+/// Response header: the dp rank that served the request.
+pub const HEADER_DP_RANK: &str = "x-kvroute-sim-dp-rank";
+/// Request header honoured by vLLM and SGLang to pick a data-parallel rank.
+pub const HEADER_REQUEST_DP_RANK: &str = "x-data-parallel-rank";
+
+/// Engine settings. Defaults: see the module docs.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Instance id, reported in [`HEADER_ENGINE`] and `/v1/models`.
+    pub name: String,
+    /// Served model name.
+    pub model: String,
+    /// Paged cache per rank.
+    pub cache: CacheConfig,
+    /// Prefill throughput on uncached tokens, tokens per simulated second.
+    pub prefill_tokens_per_s: f64,
+    /// Fixed time from the end of prefill to the first token (simulated).
+    pub prefill_overhead: Duration,
+    /// Time per output token after the first (simulated).
+    pub decode_per_token: Duration,
+    /// Concurrency limit per rank (vLLM `max_num_seqs`).
+    pub max_running: usize,
+    /// Time dilation: durations are divided by it. 1.0 = real time.
+    pub speed: f64,
+    /// Data-parallel ranks, each with its own cache and publisher.
+    pub dp_size: u32,
+    /// Wire format of the KV events.
+    pub event_format: EventFormat,
+    /// PUB endpoint of rank 0 (`tcp://host:port`; ranks add their rank to the port, port 0
+    /// picks a free port per rank). `None`: no events.
+    pub events_endpoint: Option<String>,
+    /// Replay ROUTER endpoint of rank 0, offset likewise.
+    pub replay_endpoint: Option<String>,
+    /// Topic frame of every event message.
+    pub topic: String,
+    /// Replay buffer, batches.
+    pub buffer_steps: usize,
+    /// Seed of the engine's block hashes (vLLM's `NONE_HASH`; differs per engine by default,
+    /// as vLLM < 0.29's random seed did, so hashes are opaque).
+    pub hash_seed: String,
+    /// Tokens per SSE chunk when streaming (vLLM `--stream-interval`).
+    pub stream_interval_tokens: usize,
+    /// Longest prompt + output accepted, tokens.
+    pub max_model_len: usize,
+    /// Keep every published batch's cache events in memory (tests).
+    pub journal: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            name: "sim-0".to_string(),
+            model: "sim-model".to_string(),
+            cache: CacheConfig {
+                block_size_tokens: 16,
+                capacity_blocks: 25_000,
+            },
+            prefill_tokens_per_s: 20_000.0,
+            prefill_overhead: Duration::from_millis(15),
+            decode_per_token: Duration::from_millis(8),
+            max_running: 256,
+            speed: 1.0,
+            dp_size: 1,
+            event_format: EventFormat::Vllm033,
+            events_endpoint: None,
+            replay_endpoint: None,
+            topic: String::new(),
+            buffer_steps: 1_000,
+            hash_seed: String::new(),
+            stream_interval_tokens: 1,
+            max_model_len: 131_072,
+            journal: false,
+        }
+    }
+}
+
+/// Load and cache counters of one rank (also served at `/metrics`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RankStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_usage: f64,
+    pub cached_blocks: usize,
+    pub prefix_queries_tokens: u64,
+    pub prefix_hits_tokens: u64,
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    pub requests_finished: u64,
+}
+
+struct Pending {
+    prompt: Arc<Vec<u32>>,
+    output_tokens: usize,
+    tx: oneshot::Sender<Result<Admitted, AdmitError>>,
+}
+
+struct Admitted {
+    request: RequestId,
+    cached_tokens: usize,
+    first_token_at: Instant,
+}
+
+struct RankState {
+    cache: KvCache,
+    waiting: VecDeque<Pending>,
+    prefill_free_at: Instant,
+    stats: RankStats,
+    journal: Vec<Vec<CacheEvent>>,
+}
+
+struct Rank {
+    index: u32,
+    state: Mutex<RankState>,
+    publisher: Option<Publisher>,
+}
+
+/// A running engine (all its ranks). Cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    cfg: EngineConfig,
+    ranks: Vec<Rank>,
+    next: AtomicU64,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("name", &self.inner.cfg.name)
+            .finish()
+    }
+}
+
+/// Why a request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("prompt and output ({needed} blocks) exceed the KV cache ({capacity} blocks)")]
+    TooLarge { needed: usize, capacity: usize },
+    #[error("prompt of {0} tokens plus output exceeds max_model_len")]
+    TooLong(usize),
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    #[error("engine stopped")]
+    Stopped,
+}
+
+impl IntoResponse for EngineError {
+    fn into_response(self) -> Response {
+        let status = match self {
+            EngineError::Stopped => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        (
+            status,
+            Json(json!({"error": {"message": self.to_string(), "type": "BadRequestError"}})),
+        )
+            .into_response()
+    }
+}
+
+/// A request admitted to a rank: the handle keeps its blocks until dropped.
+pub struct Running {
+    engine: Engine,
+    rank: u32,
+    request: RequestId,
+    /// Prompt tokens served from the cache.
+    pub cached_tokens: usize,
+    /// When the first token is due.
+    pub first_token_at: Instant,
+    /// Output tokens to produce.
+    pub output_tokens: usize,
+}
+
+impl Running {
+    /// The rank serving the request.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Real time per output token.
+    pub fn token_interval(&self) -> Duration {
+        self.engine.wall(self.engine.inner.cfg.decode_per_token)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.engine
+            .finish(self.rank, self.request, self.output_tokens);
+    }
+}
+
+impl Engine {
+    /// Starts the ranks' publishers (if configured) and returns the engine; serve it with
+    /// [`Engine::app`].
+    ///
+    /// # Errors
+    /// A publisher socket that cannot bind, or a bad endpoint.
+    pub async fn start(cfg: EngineConfig) -> Result<Engine, PublishError> {
+        let mut ranks = Vec::new();
+        let scheme = match cfg.event_format {
+            EventFormat::Sglang => HashScheme::Sglang,
+            _ => HashScheme::vllm(if cfg.hash_seed.is_empty() {
+                &cfg.name
+            } else {
+                &cfg.hash_seed
+            }),
+        };
+        let now = Instant::now();
+        for r in 0..cfg.dp_size.max(1) {
+            let publisher = match &cfg.events_endpoint {
+                Some(ep) => {
+                    let endpoint =
+                        wire::offset_endpoint_port(ep, r).map_err(|e| PublishError::Bind {
+                            endpoint: e,
+                            source: zeromq::ZmqError::NoMessage,
+                        })?;
+                    let replay_endpoint = match &cfg.replay_endpoint {
+                        Some(rep) => Some(wire::offset_endpoint_port(rep, r).map_err(|e| {
+                            PublishError::Bind {
+                                endpoint: e,
+                                source: zeromq::ZmqError::NoMessage,
+                            }
+                        })?),
+                        None => None,
+                    };
+                    Some(
+                        Publisher::start(PublisherConfig {
+                            format: cfg.event_format,
+                            topic: cfg.topic.clone(),
+                            endpoint,
+                            replay_endpoint,
+                            buffer_steps: cfg.buffer_steps,
+                        })
+                        .await?,
+                    )
+                }
+                None => None,
+            };
+            ranks.push(Rank {
+                index: r,
+                state: Mutex::new(RankState {
+                    cache: KvCache::new(cfg.cache, scheme.clone()),
+                    waiting: VecDeque::new(),
+                    prefill_free_at: now,
+                    stats: RankStats::default(),
+                    journal: Vec::new(),
+                }),
+                publisher,
+            });
+        }
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                cfg,
+                ranks,
+                next: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.cfg
+    }
+
+    /// The bound PUB and replay endpoints of each rank.
+    pub fn event_endpoints(&self) -> Vec<(String, Option<String>)> {
+        self.inner
+            .ranks
+            .iter()
+            .filter_map(|r| {
+                r.publisher
+                    .as_ref()
+                    .map(|p| (p.endpoint.clone(), p.replay_endpoint.clone()))
+            })
+            .collect()
+    }
+
+    /// The publisher of a rank (tests watch its seq).
+    pub fn publisher(&self, rank: u32) -> Option<&Publisher> {
+        self.inner
+            .ranks
+            .get(rank as usize)
+            .and_then(|r| r.publisher.as_ref())
+    }
+
+    /// Counters of a rank.
+    pub fn stats(&self, rank: u32) -> RankStats {
+        let r = &self.inner.ranks[rank as usize];
+        let st = r.state.lock().expect("rank lock");
+        let mut s = st.stats;
+        s.running = st.cache.running();
+        s.waiting = st.waiting.len();
+        s.kv_usage =
+            st.cache.used_blocks() as f64 / st.cache.config().capacity_blocks.max(1) as f64;
+        s.cached_blocks = st.cache.cached_blocks();
+        s
+    }
+
+    /// Number of ranks.
+    pub fn dp_size(&self) -> u32 {
+        self.inner.ranks.len() as u32
+    }
+
+    /// Prompt tokens each rank would serve from its cache now (the bench's oracle).
+    pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> Vec<usize> {
+        self.inner
+            .ranks
+            .iter()
+            .map(|r| {
+                r.state
+                    .lock()
+                    .expect("rank lock")
+                    .cache
+                    .cached_prefix_tokens(prompt)
+            })
+            .collect()
+    }
+
+    /// The cache events of every batch published so far, per rank (with `journal`).
+    pub fn journal(&self, rank: u32) -> Vec<Vec<CacheEvent>> {
+        self.inner.ranks[rank as usize]
+            .state
+            .lock()
+            .expect("rank lock")
+            .journal
+            .clone()
+    }
+
+    /// The engine hashes a rank currently caches (tests).
+    pub fn cached_hashes(&self, rank: u32) -> Vec<kvroute::event::EngineHash> {
+        let mut v: Vec<_> = self.inner.ranks[rank as usize]
+            .state
+            .lock()
+            .expect("rank lock")
+            .cache
+            .cached_hashes()
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Drops every rank's prefix cache (publishing `AllBlocksCleared`), as vLLM's
+    /// `/reset_prefix_cache`. Returns false if some rank is busy (nothing is cleared there).
+    pub fn reset_prefix_cache(&self) -> bool {
+        let mut all = true;
+        for rank in &self.inner.ranks {
+            let mut st = rank.state.lock().expect("rank lock");
+            if !st.waiting.is_empty() {
+                all = false;
+                continue;
+            }
+            match st.cache.clear() {
+                Some(ev) => {
+                    st.stats = RankStats::default();
+                    self.publish(rank, &mut st, vec![ev]);
+                }
+                None => all = false,
+            }
+        }
+        all
+    }
+
+    fn wall(&self, sim: Duration) -> Duration {
+        sim.div_f64(self.inner.cfg.speed.max(1e-9))
+    }
+
+    /// Picks a rank: the requested one if valid, else the least loaded.
+    fn pick_rank(&self, requested: Option<u32>) -> u32 {
+        if let Some(r) = requested.filter(|&r| (r as usize) < self.inner.ranks.len()) {
+            return r;
+        }
+        let mut best = (usize::MAX, 0u32);
+        for rank in &self.inner.ranks {
+            let st = rank.state.lock().expect("rank lock");
+            let load = st.cache.running() + st.waiting.len();
+            if load < best.0 {
+                best = (load, rank.index);
+            }
+        }
+        best.1
+    }
+
+    /// Submits a request and waits until it is admitted (its prefill scheduled).
+    ///
+    /// # Errors
+    /// The request can never fit, or is longer than `max_model_len`.
+    pub async fn submit(
+        &self,
+        prompt: Vec<u32>,
+        output_tokens: usize,
+        rank: Option<u32>,
+    ) -> Result<Running, EngineError> {
+        let cfg = &self.inner.cfg;
+        if prompt.len() + output_tokens > cfg.max_model_len {
+            return Err(EngineError::TooLong(prompt.len()));
+        }
+        if prompt.is_empty() {
+            return Err(EngineError::BadRequest("empty prompt".into()));
+        }
+        let output_tokens = output_tokens.max(1);
+        let r = self.pick_rank(rank);
+        let (tx, rx) = oneshot::channel();
+        {
+            let rank = &self.inner.ranks[r as usize];
+            let mut st = rank.state.lock().expect("rank lock");
+            st.waiting.push_back(Pending {
+                prompt: Arc::new(prompt),
+                output_tokens,
+                tx,
+            });
+            self.pump(rank, &mut st);
+        }
+        match rx.await {
+            Ok(Ok(a)) => Ok(Running {
+                engine: self.clone(),
+                rank: r,
+                request: a.request,
+                cached_tokens: a.cached_tokens,
+                first_token_at: a.first_token_at,
+                output_tokens,
+            }),
+            Ok(Err(AdmitError::TooLarge { needed, capacity })) => {
+                Err(EngineError::TooLarge { needed, capacity })
+            }
+            Ok(Err(AdmitError::NotEnoughFree { .. })) | Err(_) => Err(EngineError::Stopped),
+        }
+    }
+
+    /// Admits waiting requests in order while they fit.
+    fn pump(&self, rank: &Rank, st: &mut RankState) {
+        let cfg = &self.inner.cfg;
+        while let Some(head) = st.waiting.front() {
+            if st.cache.running() >= cfg.max_running {
+                break;
+            }
+            if head.tx.is_closed() {
+                st.waiting.pop_front();
+                continue;
+            }
+            match st.cache.try_admit(&head.prompt, head.output_tokens) {
+                Err(AdmitError::NotEnoughFree { .. }) => break,
+                Err(e @ AdmitError::TooLarge { .. }) => {
+                    let p = st.waiting.pop_front().expect("head");
+                    let _ = p.tx.send(Err(e));
+                }
+                Ok(adm) => {
+                    let p = st.waiting.pop_front().expect("head");
+                    let prompt_len = p.prompt.len();
+                    let uncached = prompt_len - adm.cached_tokens;
+                    let now = Instant::now();
+                    let start = st.prefill_free_at.max(now);
+                    let prefill = self.wall(Duration::from_secs_f64(
+                        uncached as f64 / cfg.prefill_tokens_per_s,
+                    ));
+                    st.prefill_free_at = start + prefill;
+                    let first_token_at = st.prefill_free_at + self.wall(cfg.prefill_overhead);
+                    st.stats.prefix_queries_tokens += prompt_len as u64;
+                    st.stats.prefix_hits_tokens += adm.cached_tokens as u64;
+                    st.stats.prompt_tokens += prompt_len as u64;
+                    if !adm.events.is_empty() {
+                        self.publish(rank, st, adm.events);
+                    }
+                    let admitted = Admitted {
+                        request: adm.request,
+                        cached_tokens: adm.cached_tokens,
+                        first_token_at,
+                    };
+                    if let Err(Ok(a)) = p.tx.send(Ok(admitted)) {
+                        // The client left while waiting: release at once.
+                        st.cache.finish(a.request);
+                    }
+                }
+            }
+        }
+    }
+
+    fn publish(&self, rank: &Rank, st: &mut RankState, events: Vec<CacheEvent>) {
+        let cfg = &self.inner.cfg;
+        if let Some(p) = &rank.publisher {
+            let wire_events = wire::to_wire(cfg.event_format, cfg.cache.block_size_tokens, &events);
+            let ts = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .unwrap_or(0.0);
+            p.publish(wire::encode_batch(
+                cfg.event_format,
+                Extras::engine(cfg.event_format),
+                ts,
+                &wire_events,
+                Some(rank.index),
+            ));
+        }
+        if cfg.journal {
+            st.journal.push(events);
+        }
+    }
+
+    fn finish(&self, rank: u32, request: RequestId, output_tokens: usize) {
+        let rank = &self.inner.ranks[rank as usize];
+        let mut st = rank.state.lock().expect("rank lock");
+        st.cache.finish(request);
+        st.stats.generation_tokens += output_tokens as u64;
+        st.stats.requests_finished += 1;
+        self.pump(rank, &mut st);
+    }
+
+    /// The HTTP API (no sockets inside).
+    pub fn app(&self) -> Router {
+        Router::new()
+            .route("/v1/completions", post(completions))
+            .route("/generate", post(generate))
+            .route("/tokenize", post(tokenize))
+            .route("/v1/models", get(models))
+            .route("/health", get(|| async { StatusCode::OK }))
+            .route("/metrics", get(metrics))
+            .route("/reset_prefix_cache", post(reset_prefix_cache))
+            .with_state(self.clone())
+    }
+
+    fn next_id(&self) -> u64 {
+        self.inner.next.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// A prompt as OpenAI completions accept it: text, token ids, or a one-element batch of either.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+    TextBatch(Vec<String>),
+    IdsBatch(Vec<Vec<u32>>),
+}
+
+impl Prompt {
+    fn into_tokens(self) -> Result<Vec<u32>, EngineError> {
+        match self {
+            Prompt::Text(t) => Ok(tokenizer::encode(&t)),
+            Prompt::Ids(ids) => Ok(ids),
+            Prompt::TextBatch(mut v) if v.len() == 1 => Ok(tokenizer::encode(&v.remove(0))),
+            Prompt::IdsBatch(mut v) if v.len() == 1 => Ok(v.remove(0)),
+            _ => Err(EngineError::BadRequest(
+                "batched prompts are not supported".into(),
+            )),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct CompletionRequest {
+    #[serde(default)]
+    model: Option<String>,
+    prompt: Prompt,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+    #[serde(default)]
+    stream: bool,
+}
+
+#[derive(Deserialize)]
+struct GenerateRequest {
+    #[serde(default)]
+    input_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    sampling_params: Option<SamplingParams>,
+    #[serde(default)]
+    stream: bool,
+}
+
+#[derive(Deserialize, Default)]
+struct SamplingParams {
+    #[serde(default)]
+    max_new_tokens: Option<usize>,
+}
+
+#[derive(Deserialize)]
+struct TokenizeRequest {
+    #[serde(default)]
+    prompt: Option<String>,
+}
+
+fn requested_rank(headers: &HeaderMap) -> Option<u32> {
+    headers
+        .get(HEADER_REQUEST_DP_RANK)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.trim().parse().ok())
+}
+
+fn output_token(id: u64, i: usize) -> u32 {
+    ((id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9) >> 40)
+        as u32
+        % tokenizer::VOCAB_SIZE
+}
+
+fn sim_headers(engine: &Engine, run: &Running, resp: &mut Response) {
+    let h = resp.headers_mut();
+    h.insert(
+        HEADER_CACHED_TOKENS,
+        HeaderValue::from(run.cached_tokens as u64),
+    );
+    if let Ok(v) = HeaderValue::from_str(&engine.inner.cfg.name) {
+        h.insert(HEADER_ENGINE, v);
+    }
+    h.insert(HEADER_DP_RANK, HeaderValue::from(run.rank));
+}
+
+/// Streams `chunk(i, tokens)` SSE events: the first at `first_token_at`, then one per
+/// `stream_interval_tokens` tokens, then `data: [DONE]`. The `Running` handle lives in the
+/// stream, so the blocks are freed when it ends or the client goes away.
+fn sse_stream<F>(engine: Engine, run: Running, chunk: F) -> Body
+where
+    F: Fn(usize, &[u32], bool) -> Value + Send + 'static,
+{
+    let interval = engine.inner.cfg.stream_interval_tokens.max(1);
+    let id = engine.next_id();
+    let total = run.output_tokens;
+    let step = run.token_interval();
+    let first_at = run.first_token_at;
+    struct St<F> {
+        run: Option<Running>,
+        sent: usize,
+        chunk: F,
+        done: bool,
+    }
+    let st = St {
+        run: Some(run),
+        sent: 0,
+        chunk,
+        done: false,
+    };
+    let stream = futures_util::stream::unfold(st, move |mut st| async move {
+        if st.done {
+            return None;
+        }
+        if st.sent >= total {
+            st.done = true;
+            st.run.take();
+            return Some((
+                Ok::<_, Infallible>(Bytes::from_static(b"data: [DONE]\n\n")),
+                st,
+            ));
+        }
+        let n = if st.sent == 0 {
+            1
+        } else {
+            interval.min(total - st.sent)
+        };
+        let due = first_at + step * (st.sent + n - 1) as u32;
+        tokio::time::sleep_until(due.into()).await;
+        let toks: Vec<u32> = (st.sent..st.sent + n)
+            .map(|i| output_token(id, i))
+            .collect();
+        st.sent += n;
+        let last = st.sent >= total;
+        let v = (st.chunk)(st.sent, &toks, last);
+        let mut line = Vec::with_capacity(64);
+        line.extend_from_slice(b"data: ");
+        line.extend_from_slice(v.to_string().as_bytes());
+        line.extend_from_slice(b"\n\n");
+        Some((Ok(Bytes::from(line)), st))
+    });
+    Body::from_stream(stream)
+}
+
+/// Waits for every token of a non-streaming request.
+async fn run_to_end(run: &Running) -> Vec<u32> {
+    let due =
+        run.first_token_at + run.token_interval() * (run.output_tokens.saturating_sub(1)) as u32;
+    tokio::time::sleep_until(due.into()).await;
+    let id = run.request.0;
+    (0..run.output_tokens)
+        .map(|i| output_token(id, i))
+        .collect()
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+async fn completions(
+    State(engine): State<Engine>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, EngineError> {
+    let req: CompletionRequest =
+        serde_json::from_slice(&body).map_err(|e| EngineError::BadRequest(e.to_string()))?;
+    let prompt = req.prompt.into_tokens()?;
+    let prompt_len = prompt.len();
+    let model = req.model.unwrap_or_else(|| engine.inner.cfg.model.clone());
+    let run = engine
+        .submit(
+            prompt,
+            req.max_tokens.unwrap_or(16),
+            requested_rank(&headers),
+        )
+        .await?;
+    let id = format!("cmpl-{}-{}", engine.inner.cfg.name, engine.next_id());
+    let created = now_secs();
+    let cached = run.cached_tokens;
+    let fingerprint = engine.inner.cfg.name.clone();
+    if req.stream {
+        let mut resp = Response::new(Body::empty());
+        sim_headers(&engine, &run, &mut resp);
+        let out_total = run.output_tokens;
+        let body = sse_stream(engine.clone(), run, move |_sent, toks, last| {
+            json!({
+                "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": fingerprint,
+                "choices": [{"index": 0, "text": format!(" {}", tokenizer::decode(toks)), "logprobs": null,
+                             "finish_reason": if last { Value::from("length") } else { Value::Null }}],
+                "usage": if last { json!({"prompt_tokens": prompt_len, "completion_tokens": out_total,
+                    "total_tokens": prompt_len + out_total, "prompt_tokens_details": {"cached_tokens": cached}}) } else { Value::Null },
+            })
+        });
+        *resp.body_mut() = body;
+        resp.headers_mut().insert(
+            "content-type",
+            HeaderValue::from_static("text/event-stream"),
+        );
+        resp.headers_mut()
+            .insert("cache-control", HeaderValue::from_static("no-cache"));
+        return Ok(resp);
+    }
+    let toks = run_to_end(&run).await;
+    let out = toks.len();
+    let mut resp = Json(json!({
+        "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": fingerprint,
+        "choices": [{"index": 0, "text": format!(" {}", tokenizer::decode(&toks)), "logprobs": null, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": prompt_len, "completion_tokens": out, "total_tokens": prompt_len + out,
+                  "prompt_tokens_details": {"cached_tokens": cached}},
+    }))
+    .into_response();
+    sim_headers(&engine, &run, &mut resp);
+    Ok(resp)
+}
+
+async fn generate(
+    State(engine): State<Engine>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, EngineError> {
+    let req: GenerateRequest =
+        serde_json::from_slice(&body).map_err(|e| EngineError::BadRequest(e.to_string()))?;
+    let prompt = match (req.input_ids, req.text) {
+        (Some(ids), _) => ids,
+        (None, Some(text)) => tokenizer::encode(&text),
+        (None, None) => return Err(EngineError::BadRequest("input_ids or text required".into())),
+    };
+    let prompt_len = prompt.len();
+    let max_new = req
+        .sampling_params
+        .unwrap_or_default()
+        .max_new_tokens
+        .unwrap_or(128);
+    let run = engine
+        .submit(prompt, max_new, requested_rank(&headers))
+        .await?;
+    let rid = format!("{}-{}", engine.inner.cfg.name, engine.next_id());
+    let engine_name = engine.inner.cfg.name.clone();
+    let cached = run.cached_tokens;
+    if req.stream {
+        let mut resp = Response::new(Body::empty());
+        sim_headers(&engine, &run, &mut resp);
+        let body = sse_stream(engine.clone(), run, move |sent, toks, last| {
+            json!({
+                "text": format!(" {}", tokenizer::decode(toks)), "output_ids": toks,
+                "meta_info": {"id": rid, "prompt_tokens": prompt_len, "completion_tokens": sent, "cached_tokens": cached, "engine": engine_name,
+                              "finish_reason": if last { json!({"type": "length", "length": sent}) } else { Value::Null }},
+            })
+        });
+        *resp.body_mut() = body;
+        resp.headers_mut().insert(
+            "content-type",
+            HeaderValue::from_static("text/event-stream"),
+        );
+        return Ok(resp);
+    }
+    let toks = run_to_end(&run).await;
+    let n = toks.len();
+    let mut resp = Json(json!({
+        "text": format!(" {}", tokenizer::decode(&toks)), "output_ids": toks,
+        "meta_info": {"id": rid, "prompt_tokens": prompt_len, "completion_tokens": n, "cached_tokens": cached,
+                      "finish_reason": {"type": "length", "length": n}},
+    }))
+    .into_response();
+    sim_headers(&engine, &run, &mut resp);
+    Ok(resp)
+}
+
+async fn tokenize(State(engine): State<Engine>, body: Bytes) -> Result<Response, EngineError> {
+    let req: TokenizeRequest =
+        serde_json::from_slice(&body).map_err(|e| EngineError::BadRequest(e.to_string()))?;
+    let tokens = tokenizer::encode(req.prompt.as_deref().unwrap_or(""));
+    Ok(Json(json!({"count": tokens.len(), "max_model_len": engine.inner.cfg.max_model_len, "tokens": tokens, "token_strs": null}))
+        .into_response())
+}
+
+async fn models(State(engine): State<Engine>) -> Json<Value> {
+    let cfg = &engine.inner.cfg;
+    Json(
+        json!({"object": "list", "data": [{"id": cfg.model, "object": "model", "created": now_secs(),
+        "owned_by": "kvroute-sim", "root": cfg.model, "parent": null, "max_model_len": cfg.max_model_len}]}),
+    )
+}
+
+async fn reset_prefix_cache(State(engine): State<Engine>) -> StatusCode {
+    if engine.reset_prefix_cache() {
+        StatusCode::OK
+    } else {
+        StatusCode::CONFLICT
+    }
+}
+
+/// Prometheus text in vLLM's metric names, one series per dp rank (`engine` label).
+pub fn render_metrics(engine: &Engine) -> String {
+    use std::fmt::Write;
+    let cfg = &engine.inner.cfg;
+    let stats: Vec<RankStats> = (0..engine.dp_size()).map(|r| engine.stats(r)).collect();
+    let mut out = String::new();
+    let mut family = |name: &str, kind: &str, help: &str, value: &dyn Fn(&RankStats) -> String| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (r, s) in stats.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "{name}{{engine=\"{r}\",model_name=\"{}\"}} {}",
+                cfg.model,
+                value(s)
+            );
+        }
+    };
+    family(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        &|s| s.running.to_string(),
+    );
+    family(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        &|s| s.waiting.to_string(),
+    );
+    family(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        &|s| format!("{:.6}", s.kv_usage),
+    );
+    family(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        &|s| s.prefix_queries_tokens.to_string(),
+    );
+    family(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        &|s| s.prefix_hits_tokens.to_string(),
+    );
+    family(
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        &|s| s.prompt_tokens.to_string(),
+    );
+    family(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        &|s| s.generation_tokens.to_string(),
+    );
+    family(
+        "vllm:request_success_total",
+        "counter",
+        "Count of successfully processed requests.",
+        &|s| s.requests_finished.to_string(),
+    );
+    family(
+        "kvroute_sim:cached_blocks",
+        "gauge",
+        "Blocks in the prefix cache.",
+        &|s| s.cached_blocks.to_string(),
+    );
+    out
+}
+
+async fn metrics(State(engine): State<Engine>) -> Response {
+    let mut resp = render_metrics(&engine).into_response();
+    resp.headers_mut().insert(
+        "content-type",
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    resp
+}

@@ -1,0 +1,495 @@
+//! Replays a trace: each request is sent at its timestamp divided by `speed`, streamed, and
+//! timed. TTFT is the arrival of the first body chunk of the SSE stream (the engine sends its
+//! headers at admission and the first token at the end of prefill); latency is the end of the
+//! stream. Times are reported in *simulated* seconds (measured × `speed`), matching engines
+//! that run `speed` times faster than real time.
+//!
+//! The engine and its cached tokens come from the `x-kvroute-sim-*` response headers, or,
+//! behind a proxy that drops them, from the body (`system_fingerprint` and the final usage
+//! chunk's `prompt_tokens_details.cached_tokens`; SGLang `meta_info`).
+//!
+//! Requests go either to one URL (a router under test: vllm-router, sglang-router, Envoy) or
+//! through an in-process [`Route`] that picks an engine per request (the bench's policies).
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::engine::{HEADER_CACHED_TOKENS, HEADER_ENGINE, HEADER_REQUEST_DP_RANK};
+use crate::tokenizer;
+use crate::trace::TraceRecord;
+
+/// Which API the prompts go to, and how.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Api {
+    /// `POST /v1/completions` with `prompt` as token ids.
+    CompletionsIds,
+    /// `POST /v1/completions` with `prompt` as `t<id>` text (sglang-router only routes text).
+    CompletionsText,
+}
+
+/// What a [`Route`] is asked.
+#[derive(Debug)]
+pub struct RouteRequest<'a> {
+    pub index: usize,
+    pub tokens: &'a [u32],
+}
+
+/// Where a [`Route`] sends a request.
+#[derive(Clone, Debug)]
+pub struct Decision {
+    /// Base URL of the engine, e.g. `http://127.0.0.1:8001`.
+    pub url: String,
+    /// Sent as `x-data-parallel-rank` when set.
+    pub dp_rank: Option<u32>,
+    /// The router's own index of the engine, handed back in the callbacks.
+    pub slot: usize,
+    /// Prompt tokens the router expected to be uncached (its prefill-load estimate).
+    pub uncached_tokens: usize,
+}
+
+/// A boxed future, for the object-safe [`Route`].
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// An in-process routing policy.
+pub trait Route: Send + Sync {
+    /// Picks the engine of one request.
+    fn route<'a>(&'a self, req: RouteRequest<'a>) -> BoxFuture<'a, Decision>;
+    /// The request's first token arrived (its prefill is done).
+    fn on_first_token(&self, _d: &Decision) {}
+    /// The request ended (successfully or not).
+    fn on_done(&self, _d: &Decision) {}
+}
+
+/// Where requests go.
+#[derive(Clone)]
+pub enum Target {
+    /// Everything to one base URL.
+    Url(String),
+    /// Through an in-process router.
+    Routed(Arc<dyn Route>),
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Url(u) => write!(f, "Url({u})"),
+            Target::Routed(_) => f.write_str("Routed"),
+        }
+    }
+}
+
+/// Replay settings.
+#[derive(Clone, Debug)]
+pub struct ReplayConfig {
+    /// Time compression: trace time / `speed` = wall time. Must equal the engines' `speed`.
+    pub speed: f64,
+    /// Replay only the first N records.
+    pub limit: Option<usize>,
+    pub api: Api,
+    /// The `model` field.
+    pub model: String,
+    /// Per-request timeout, wall time.
+    pub timeout: Duration,
+    /// Caps output tokens per request (the trace's `output_length` otherwise).
+    pub max_output_tokens: Option<usize>,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig {
+            speed: 1.0,
+            limit: None,
+            api: Api::CompletionsIds,
+            model: "sim-model".to_string(),
+            timeout: Duration::from_secs(600),
+            max_output_tokens: None,
+        }
+    }
+}
+
+/// One request's outcome. Times in simulated seconds.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct RequestResult {
+    pub index: usize,
+    /// Scheduled send time from the trace's start.
+    pub sent_at_s: f64,
+    pub ttft_s: Option<f64>,
+    pub latency_s: Option<f64>,
+    pub engine: Option<String>,
+    pub dp_rank: Option<u32>,
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+    pub cached_tokens: Option<usize>,
+    pub status: u16,
+    pub error: Option<String>,
+}
+
+impl RequestResult {
+    pub fn ok(&self) -> bool {
+        self.error.is_none() && self.status == 200
+    }
+}
+
+/// Summary statistics of a replay. Times in simulated seconds.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct Summary {
+    pub requests: usize,
+    pub ok: usize,
+    pub failed: usize,
+    /// Cached prompt tokens / prompt tokens, over successful requests.
+    pub hit_rate: f64,
+    pub ttft_p50_s: f64,
+    pub ttft_p90_s: f64,
+    pub ttft_p99_s: f64,
+    pub ttft_mean_s: f64,
+    pub latency_p50_s: f64,
+    pub latency_p90_s: f64,
+    /// From the first send to the last completion.
+    pub duration_s: f64,
+    pub requests_per_s: f64,
+    /// Prompt + output tokens per simulated second.
+    pub tokens_per_s: f64,
+    /// Requests served per engine.
+    pub per_engine: BTreeMap<String, usize>,
+    /// Busiest engine's requests / mean requests per engine (1.0 = perfectly even).
+    pub max_over_mean_load: f64,
+}
+
+/// The `p`-quantile (0..=1) of sorted values, nearest rank.
+pub fn quantile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = (p * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Summarizes results; `engines` lists engines that got no request (they count in the mean).
+pub fn summarize(results: &[RequestResult], engines: &[String]) -> Summary {
+    let ok: Vec<&RequestResult> = results.iter().filter(|r| r.ok()).collect();
+    let prompt: usize = ok.iter().map(|r| r.prompt_tokens).sum();
+    let cached: usize = ok.iter().map(|r| r.cached_tokens.unwrap_or(0)).sum();
+    let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_s).collect();
+    ttft.sort_by(f64::total_cmp);
+    let mut lat: Vec<f64> = ok.iter().filter_map(|r| r.latency_s).collect();
+    lat.sort_by(f64::total_cmp);
+    let start = results
+        .iter()
+        .map(|r| r.sent_at_s)
+        .fold(f64::INFINITY, f64::min);
+    let end = ok
+        .iter()
+        .filter_map(|r| r.latency_s.map(|l| r.sent_at_s + l))
+        .fold(0.0, f64::max);
+    let duration = if end > start { end - start } else { 0.0 };
+    let mut per_engine: BTreeMap<String, usize> = engines.iter().map(|e| (e.clone(), 0)).collect();
+    for r in &ok {
+        *per_engine
+            .entry(r.engine.clone().unwrap_or_else(|| "unknown".into()))
+            .or_default() += 1;
+    }
+    let max = per_engine.values().copied().max().unwrap_or(0) as f64;
+    let mean = if per_engine.is_empty() {
+        0.0
+    } else {
+        ok.len() as f64 / per_engine.len() as f64
+    };
+    let tokens: usize = ok.iter().map(|r| r.prompt_tokens + r.output_tokens).sum();
+    Summary {
+        requests: results.len(),
+        ok: ok.len(),
+        failed: results.len() - ok.len(),
+        hit_rate: if prompt > 0 {
+            cached as f64 / prompt as f64
+        } else {
+            0.0
+        },
+        ttft_p50_s: quantile(&ttft, 0.5),
+        ttft_p90_s: quantile(&ttft, 0.9),
+        ttft_p99_s: quantile(&ttft, 0.99),
+        ttft_mean_s: if ttft.is_empty() {
+            f64::NAN
+        } else {
+            ttft.iter().sum::<f64>() / ttft.len() as f64
+        },
+        latency_p50_s: quantile(&lat, 0.5),
+        latency_p90_s: quantile(&lat, 0.9),
+        duration_s: duration,
+        requests_per_s: if duration > 0.0 {
+            ok.len() as f64 / duration
+        } else {
+            0.0
+        },
+        tokens_per_s: if duration > 0.0 {
+            tokens as f64 / duration
+        } else {
+            0.0
+        },
+        per_engine,
+        max_over_mean_load: if mean > 0.0 { max / mean } else { 0.0 },
+    }
+}
+
+/// Replays `trace` against `target`; returns every request's result, in trace order.
+/// `progress` is ticked once per finished request.
+pub async fn run(
+    trace: &[TraceRecord],
+    target: Target,
+    cfg: &ReplayConfig,
+    progress: Option<indicatif::ProgressBar>,
+) -> Vec<RequestResult> {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .build()
+        .expect("http client");
+    let n = cfg.limit.map_or(trace.len(), |l| l.min(trace.len()));
+    let speed = cfg.speed.max(1e-9);
+    let t0 = trace.first().map_or(0, |r| r.timestamp);
+    let start = Instant::now();
+    let mut handles = Vec::with_capacity(n);
+    for (index, rec) in trace[..n].iter().enumerate() {
+        let offset_s = (rec.timestamp.saturating_sub(t0)) as f64 / 1000.0;
+        let due = start + Duration::from_secs_f64(offset_s / speed);
+        let rec = rec.clone();
+        let client = client.clone();
+        let target = target.clone();
+        let cfg = cfg.clone();
+        let progress = progress.clone();
+        handles.push(tokio::spawn(async move {
+            tokio::time::sleep_until(due.into()).await;
+            let r = one(index, offset_s, &rec, &client, &target, &cfg).await;
+            if let Some(p) = progress {
+                p.inc(1);
+            }
+            r
+        }));
+    }
+    let mut out = Vec::with_capacity(n);
+    for (i, h) in handles.into_iter().enumerate() {
+        out.push(h.await.unwrap_or_else(|e| RequestResult {
+            index: i,
+            sent_at_s: 0.0,
+            ttft_s: None,
+            latency_s: None,
+            engine: None,
+            dp_rank: None,
+            prompt_tokens: 0,
+            output_tokens: 0,
+            cached_tokens: None,
+            status: 0,
+            error: Some(format!("task: {e}")),
+        }));
+    }
+    out
+}
+
+async fn one(
+    index: usize,
+    offset_s: f64,
+    rec: &TraceRecord,
+    client: &reqwest::Client,
+    target: &Target,
+    cfg: &ReplayConfig,
+) -> RequestResult {
+    let tokens = rec.prompt(index);
+    let output_tokens = cfg
+        .max_output_tokens
+        .map_or(rec.output_length, |m| rec.output_length.min(m))
+        .max(1);
+    let mut result = RequestResult {
+        index,
+        sent_at_s: offset_s,
+        ttft_s: None,
+        latency_s: None,
+        engine: None,
+        dp_rank: None,
+        prompt_tokens: tokens.len(),
+        output_tokens,
+        cached_tokens: None,
+        status: 0,
+        error: None,
+    };
+    let sent = Instant::now();
+    let (base, decision) = match target {
+        Target::Url(u) => (u.clone(), None),
+        Target::Routed(r) => {
+            let d = r
+                .route(RouteRequest {
+                    index,
+                    tokens: &tokens,
+                })
+                .await;
+            (d.url.clone(), Some(d))
+        }
+    };
+    let prompt = match cfg.api {
+        Api::CompletionsIds => json!(tokens),
+        Api::CompletionsText => json!(tokenizer::decode(&tokens)),
+    };
+    drop(tokens);
+    let body = json!({"model": cfg.model, "prompt": prompt, "max_tokens": output_tokens, "stream": true,
+                      "ignore_eos": true, "temperature": 0.0});
+    let mut req = client
+        .post(format!("{}/v1/completions", base.trim_end_matches('/')))
+        .json(&body);
+    if let Some(r) = decision.as_ref().and_then(|d| d.dp_rank) {
+        req = req.header(HEADER_REQUEST_DP_RANK, r.to_string());
+    }
+    let scale = cfg.speed;
+    let outcome = tokio::time::timeout(cfg.timeout, async {
+        let resp = req.send().await.map_err(|e| format!("send: {e}"))?;
+        result.status = resp.status().as_u16();
+        let h = resp.headers();
+        result.engine = h
+            .get(HEADER_ENGINE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        result.cached_tokens = h
+            .get(HEADER_CACHED_TOKENS)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| s.parse().ok());
+        result.dp_rank = h
+            .get(crate::engine::HEADER_DP_RANK)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| s.parse().ok());
+        if !resp.status().is_success() {
+            let text = resp.text().await.unwrap_or_default();
+            return Err(format!(
+                "status {}: {}",
+                result.status,
+                text.chars().take(200).collect::<String>()
+            ));
+        }
+        let mut stream = resp.bytes_stream();
+        let mut tail: Vec<u8> = Vec::new();
+        let mut first = true;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| format!("body: {e}"))?;
+            if first && !chunk.is_empty() {
+                first = false;
+                result.ttft_s = Some(sent.elapsed().as_secs_f64() * scale);
+                if let Some(d) = &decision {
+                    if let Target::Routed(r) = target {
+                        r.on_first_token(d);
+                    }
+                }
+            }
+            tail.extend_from_slice(&chunk);
+            if tail.len() > 16 * 1024 {
+                tail.drain(..tail.len() - 8 * 1024);
+            }
+        }
+        result.latency_s = Some(sent.elapsed().as_secs_f64() * scale);
+        parse_tail(&tail, &mut result);
+        Ok(())
+    })
+    .await;
+    match outcome {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => result.error = Some(e),
+        Err(_) => result.error = Some("timeout".into()),
+    }
+    if let (Some(d), Target::Routed(r)) = (&decision, target) {
+        if result.ttft_s.is_none() {
+            r.on_first_token(d);
+        }
+        r.on_done(d);
+    }
+    result
+}
+
+/// Fills engine and cached tokens from the stream's last data events when headers lacked them.
+fn parse_tail(tail: &[u8], result: &mut RequestResult) {
+    let text = String::from_utf8_lossy(tail);
+    for line in text.lines().rev() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            continue;
+        };
+        if result.engine.is_none() {
+            result.engine = v
+                .get("system_fingerprint")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+        }
+        if result.cached_tokens.is_none() {
+            result.cached_tokens = v
+                .pointer("/usage/prompt_tokens_details/cached_tokens")
+                .or_else(|| v.pointer("/meta_info/cached_tokens"))
+                .and_then(Value::as_u64)
+                .map(|c| c as usize);
+        }
+        if result.engine.is_some() && result.cached_tokens.is_some() {
+            break;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_use_nearest_rank() {
+        let v: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert_eq!(quantile(&v, 0.5), 5.0);
+        assert_eq!(quantile(&v, 0.9), 9.0);
+        assert_eq!(quantile(&v, 0.99), 10.0);
+        assert!(quantile(&[], 0.5).is_nan());
+    }
+
+    #[test]
+    fn tail_gives_engine_and_cached_tokens() {
+        let mut r = RequestResult {
+            index: 0,
+            sent_at_s: 0.0,
+            ttft_s: None,
+            latency_s: None,
+            engine: None,
+            dp_rank: None,
+            prompt_tokens: 0,
+            output_tokens: 0,
+            cached_tokens: None,
+            status: 200,
+            error: None,
+        };
+        let tail = b"data: {\"system_fingerprint\":\"e1\",\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n";
+        parse_tail(tail, &mut r);
+        assert_eq!(r.engine.as_deref(), Some("e1"));
+        assert_eq!(r.cached_tokens, Some(32));
+    }
+
+    #[test]
+    fn summary_counts_hits_and_load() {
+        let mk = |i, eng: &str, cached| RequestResult {
+            index: i,
+            sent_at_s: i as f64,
+            ttft_s: Some(0.1 * (i + 1) as f64),
+            latency_s: Some(1.0),
+            engine: Some(eng.into()),
+            dp_rank: None,
+            prompt_tokens: 100,
+            output_tokens: 10,
+            cached_tokens: Some(cached),
+            status: 200,
+            error: None,
+        };
+        let s = summarize(
+            &[mk(0, "a", 0), mk(1, "a", 50), mk(2, "b", 100)],
+            &["a".into(), "b".into(), "c".into()],
+        );
+        assert_eq!(s.ok, 3);
+        assert!((s.hit_rate - 0.5).abs() < 1e-9);
+        assert_eq!(s.per_engine["c"], 0);
+        assert!((s.max_over_mean_load - 2.0).abs() < 1e-9);
+    }
+}
