@@ -14,7 +14,6 @@ pub(crate) mod status {
     pub const INVALID_MEMORY_ACCESS: i32 = 6;
     pub const EMPTY: i32 = 7;
     pub const CAS_MISMATCH: i32 = 8;
-    pub const INTERNAL_FAILURE: i32 = 10;
     pub const BROKEN_CONNECTION: i32 = 11;
 }
 
@@ -145,8 +144,10 @@ pub(crate) const ENV_IMPORTS: &[&str] = &[
 ];
 
 /// Higress's extra `env` imports, linked only in [`crate::Mode::Higress`].
-pub(crate) const HIGRESS_IMPORTS: &[&str] =
-    &["proxy_set_upstream_override_host", "proxy_get_upstream_hosts"];
+pub(crate) const HIGRESS_IMPORTS: &[&str] = &[
+    "proxy_set_upstream_override_host",
+    "proxy_get_upstream_hosts",
+];
 
 /// WASI preview1 functions cpp-host links (`FOR_ALL_WASI_FUNCTIONS`), under both
 /// `wasi_snapshot_preview1` and `wasi_unstable`.
@@ -172,7 +173,9 @@ pub(crate) const WASI_MODULES: &[&str] = &["wasi_snapshot_preview1", "wasi_unsta
 
 /// Serializes pairs the ABI way: `u32 count`, `count × (u32 key_len, u32 value_len)`, then each
 /// key and value followed by a NUL byte; all little-endian.
-pub(crate) fn serialize_pairs<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> Vec<u8> {
+pub(crate) fn serialize_pairs<'a>(
+    pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
+) -> Vec<u8> {
     let pairs: Vec<(&[u8], &[u8])> = pairs.into_iter().collect();
     let data_len: usize = pairs.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
     let mut out = Vec::with_capacity(4 + pairs.len() * 8 + data_len);

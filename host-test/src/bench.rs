@@ -59,10 +59,17 @@ where
             StreamState::Complete => {}
             StreamState::Failed(e) => return Err(e),
             other => {
-                return Err(HostError::Incomplete { request: i, state: format!("{other:?}") })
+                return Err(HostError::Incomplete {
+                    request: i,
+                    state: format!("{other:?}"),
+                })
             }
         }
     }
     let wall = start.elapsed();
-    Ok(BenchRun { requests: n, wall, fuel: gw.fuel_total() - fuel_before })
+    Ok(BenchRun {
+        requests: n,
+        wall,
+        fuel: gw.fuel_total() - fuel_before,
+    })
 }

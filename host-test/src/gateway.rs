@@ -60,6 +60,7 @@ impl GatewayBuilder {
                 vm_config: Vec::new(),
                 env: Vec::new(),
                 fuel: true,
+                fuel_per_call: vm::DEFAULT_FUEL_PER_CALL,
             },
             workers: 1,
             allow_on_headers_stop_iteration: false,
@@ -137,7 +138,10 @@ impl GatewayBuilder {
 
     /// A property visible from the start (`proxy_on_configure` included).
     pub fn property(mut self, path: &[&str], value: impl AsRef<[u8]>) -> Self {
-        self.properties.push((path.iter().map(|s| s.to_string()).collect(), value.as_ref().to_vec()));
+        self.properties.push((
+            path.iter().map(|s| s.to_string()).collect(),
+            value.as_ref().to_vec(),
+        ));
         self
     }
 
@@ -153,6 +157,13 @@ impl GatewayBuilder {
         self
     }
 
+    /// Fuel budget of one callback (default 2·10¹⁰): a callback that needs more traps, so a
+    /// runaway loop fails the request instead of hanging the test.
+    pub fn fuel_per_call(mut self, fuel: u64) -> Self {
+        self.opts.fuel_per_call = fuel;
+        self
+    }
+
     /// Compiles (cached per path and fuel setting), checks imports and ABI, and starts every
     /// worker VM.
     ///
@@ -164,7 +175,9 @@ impl GatewayBuilder {
         let engine = engine(self.opts.fuel);
         let module = match &self.source {
             Source::Path(p) => compile_path(&engine, p, self.opts.fuel)?,
-            Source::Bytes(b) => Module::new(&engine, b).map_err(|e| HostError::Compile(format!("{e:?}")))?,
+            Source::Bytes(b) => {
+                Module::new(&engine, b).map_err(|e| HostError::Compile(format!("{e:?}")))?
+            }
         };
         vm::check_imports(&module, self.opts.mode)?;
         let abi = vm::check_abi(&module, self.opts.mode)?;
@@ -218,7 +231,10 @@ fn engine(fuel: bool) -> Engine {
 fn compile_path(engine: &Engine, path: &Path, fuel: bool) -> Result<Module, HostError> {
     type Cache = Mutex<HashMap<(PathBuf, bool), (SystemTime, u64, Module)>>;
     static CACHE: OnceLock<Cache> = OnceLock::new();
-    let read_err = |e: std::io::Error| HostError::Read { path: path.display().to_string(), reason: e.to_string() };
+    let read_err = |e: std::io::Error| HostError::Read {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    };
     let meta = std::fs::metadata(path).map_err(read_err)?;
     let stamp = (meta.modified().map_err(read_err)?, meta.len());
     let key = (path.to_path_buf(), fuel);
@@ -230,7 +246,10 @@ fn compile_path(engine: &Engine, path: &Path, fuel: bool) -> Result<Module, Host
     }
     let bytes = std::fs::read(path).map_err(read_err)?;
     let module = Module::new(engine, &bytes).map_err(|e| HostError::Compile(format!("{e:?}")))?;
-    cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, (stamp.0, stamp.1, module.clone()));
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key, (stamp.0, stamp.1, module.clone()));
     Ok(module)
 }
 
@@ -366,7 +385,10 @@ impl Gateway {
     ///
     /// # Errors
     /// As [`GatewayBuilder::build`].
-    pub fn load_bytes(wasm: impl AsRef<[u8]>, config: impl AsRef<[u8]>) -> Result<Gateway, HostError> {
+    pub fn load_bytes(
+        wasm: impl AsRef<[u8]>,
+        config: impl AsRef<[u8]>,
+    ) -> Result<Gateway, HostError> {
         Self::builder_bytes(wasm).config(config).build()
     }
 
@@ -413,13 +435,11 @@ impl Gateway {
 
     fn start_vm(&self, worker: usize) -> Result<Vm, HostError> {
         Vm::start(
-            self.module.engine(),
             &self.module,
             &self.linker,
             self.opts.clone(),
             self.shared.clone(),
             worker,
-            self.abi,
         )
     }
 
@@ -442,19 +462,32 @@ impl Gateway {
 
     /// Declares a cluster whose callouts a closure answers (right after the callback that
     /// dispatched them returns).
-    pub fn cluster(&mut self, name: &str, handler: impl FnMut(&Callout) -> CalloutReply + Send + 'static) {
-        self.shared.lock().clusters.insert(name.into(), ClusterTarget::Handler(Box::new(handler)));
+    pub fn cluster(
+        &mut self,
+        name: &str,
+        handler: impl FnMut(&Callout) -> CalloutReply + Send + 'static,
+    ) {
+        self.shared
+            .lock()
+            .clusters
+            .insert(name.into(), ClusterTarget::Handler(Box::new(handler)));
     }
 
     /// Declares a cluster whose callouts are forwarded over HTTP/1.1 to a loopback server.
     /// A callout with a timeout waits at most that long (then `504`, as Envoy answers).
     pub fn cluster_forward(&mut self, name: &str, addr: std::net::SocketAddr) {
-        self.shared.lock().clusters.insert(name.into(), ClusterTarget::Forward(addr));
+        self.shared
+            .lock()
+            .clusters
+            .insert(name.into(), ClusterTarget::Forward(addr));
     }
 
     /// Declares a cluster whose callouts stay pending until [`Gateway::reply`] or a timeout.
     pub fn cluster_manual(&mut self, name: &str) {
-        self.shared.lock().clusters.insert(name.into(), ClusterTarget::Manual);
+        self.shared
+            .lock()
+            .clusters
+            .insert(name.into(), ClusterTarget::Manual);
     }
 
     /// Callouts dispatched and not answered yet, in worker and token order.
@@ -462,7 +495,14 @@ impl Gateway {
         self.vms
             .iter()
             .flatten()
-            .flat_map(|vm| vm.store.data().calls.values().map(|c| c.callout.clone()).collect::<Vec<_>>())
+            .flat_map(|vm| {
+                vm.store
+                    .data()
+                    .calls
+                    .values()
+                    .map(|c| c.callout.clone())
+                    .collect::<Vec<_>>()
+            })
             .collect()
     }
 
@@ -492,8 +532,12 @@ impl Gateway {
     }
 
     fn deliver_callout(&mut self, id: CalloutId, response: Option<Response>) {
-        let Some(Some(vm)) = self.vms.get_mut(id.worker) else { return };
-        let Some(call) = vm.store.data_mut().calls.remove(&id.token) else { return };
+        let Some(Some(vm)) = self.vms.get_mut(id.worker) else {
+            return;
+        };
+        let Some(call) = vm.store.data_mut().calls.remove(&id.token) else {
+            return;
+        };
         let context = call.callout.context_id;
         let alive = context == vm.root_id() || vm.store.data().contexts.contains_key(&context);
         if !alive {
@@ -522,12 +566,17 @@ impl Gateway {
             let mut next: Option<u64> = None;
             for vm in self.vms.iter().flatten() {
                 let s = vm.store.data();
-                let times = s.next_tick_nanos.into_iter().chain(s.calls.values().filter_map(|c| c.deadline_nanos));
+                let times = s
+                    .next_tick_nanos
+                    .into_iter()
+                    .chain(s.calls.values().filter_map(|c| c.deadline_nanos));
                 for t in times {
                     next = Some(next.map_or(t, |n: u64| n.min(t)));
                 }
             }
-            let Some(t) = next.filter(|t| *t <= target) else { break };
+            let Some(t) = next.filter(|t| *t <= target) else {
+                break;
+            };
             self.shared.lock().now_nanos = self.now_nanos().max(t);
             for w in 0..self.vms.len() {
                 let due: Vec<u32> = match &self.vms[w] {
@@ -551,7 +600,9 @@ impl Gateway {
                 }
             }
             for w in 0..self.vms.len() {
-                let Some(vm) = self.vms[w].as_mut() else { continue };
+                let Some(vm) = self.vms[w].as_mut() else {
+                    continue;
+                };
                 let s = vm.store.data_mut();
                 if s.next_tick_nanos.is_some_and(|n| n <= t) {
                     s.next_tick_nanos = Some(t + s.tick_period_ms as u64 * 1_000_000);
@@ -590,16 +641,28 @@ impl Gateway {
 
     /// A shared-data value and its CAS.
     pub fn shared_data(&self, key: &str) -> Option<(Vec<u8>, u32)> {
-        self.shared.lock().shared_data.map.get(key.as_bytes()).map(|e| (e.value.clone(), e.cas))
+        self.shared
+            .lock()
+            .shared_data
+            .map
+            .get(key.as_bytes())
+            .map(|e| (e.value.clone(), e.cas))
     }
 
     /// Writes shared data unconditionally (as another VM would).
     pub fn set_shared_data(&mut self, key: &str, value: impl AsRef<[u8]>) {
-        let _ = self.shared.lock().shared_data.set(key.as_bytes(), value.as_ref(), 0);
+        let _ = self
+            .shared
+            .lock()
+            .shared_data
+            .set(key.as_bytes(), value.as_ref(), 0);
     }
 
     /// Writes many entries at once (bench and test setup).
-    pub fn prefill_shared_data<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, entries: impl IntoIterator<Item = (K, V)>) {
+    pub fn prefill_shared_data<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &mut self,
+        entries: impl IntoIterator<Item = (K, V)>,
+    ) {
         let mut inner = self.shared.lock();
         for (k, v) in entries {
             let _ = inner.shared_data.set(k.as_ref(), v.as_ref(), 0);
@@ -613,15 +676,27 @@ impl Gateway {
 
     /// Shared-data keys, sorted (lossy UTF-8).
     pub fn shared_data_keys(&self) -> Vec<String> {
-        let mut keys: Vec<String> =
-            self.shared.lock().shared_data.map.keys().map(|k| String::from_utf8_lossy(k).into_owned()).collect();
+        let mut keys: Vec<String> = self
+            .shared
+            .lock()
+            .shared_data
+            .map
+            .keys()
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .collect();
         keys.sort();
         keys
     }
 
     /// Total bytes of shared-data keys and values.
     pub fn shared_data_bytes(&self) -> usize {
-        self.shared.lock().shared_data.map.iter().map(|(k, e)| k.len() + e.value.len()).sum()
+        self.shared
+            .lock()
+            .shared_data
+            .map
+            .iter()
+            .map(|(k, e)| k.len() + e.value.len())
+            .sum()
     }
 
     /// Enqueues onto a shared queue of this gateway's `vm_id`, as another plugin would; the
@@ -629,8 +704,14 @@ impl Gateway {
     pub fn enqueue(&mut self, queue: &str, value: impl AsRef<[u8]>) -> bool {
         {
             let mut inner = self.shared.lock();
-            let Some(token) = inner.queues.resolve(&self.opts.vm_id, queue) else { return false };
-            let q = inner.queues.by_token.get_mut(&token).expect("resolved queue");
+            let Some(token) = inner.queues.resolve(&self.opts.vm_id, queue) else {
+                return false;
+            };
+            let q = inner
+                .queues
+                .by_token
+                .get_mut(&token)
+                .expect("resolved queue");
             q.items.push_back(value.as_ref().to_vec());
             let ready = (q.owner_vm, q.owner_root, token);
             inner.queue_ready.push(ready);
@@ -648,7 +729,12 @@ impl Gateway {
 
     /// Value of a counter or gauge.
     pub fn metric(&self, name: &str) -> Option<u64> {
-        self.shared.lock().metrics.iter().find(|m| m.name == name && m.kind != MetricKind::Histogram).map(|m| m.value)
+        self.shared
+            .lock()
+            .metrics
+            .iter()
+            .find(|m| m.name == name && m.kind != MetricKind::Histogram)
+            .map(|m| m.value)
     }
 
     /// Values recorded into a histogram.
@@ -668,7 +754,11 @@ impl Gateway {
             .metrics
             .iter()
             .map(|m| {
-                let v = if m.kind == MetricKind::Histogram { m.samples.len() as u64 } else { m.value };
+                let v = if m.kind == MetricKind::Histogram {
+                    m.samples.len() as u64
+                } else {
+                    m.value
+                };
                 (m.name.clone(), m.kind, v)
             })
             .collect()
@@ -681,12 +771,22 @@ impl Gateway {
 
     /// Messages logged at exactly this level.
     pub fn logs_at(&self, level: LogLevel) -> Vec<String> {
-        self.shared.lock().logs.iter().filter(|l| l.level == level).map(|l| l.message.clone()).collect()
+        self.shared
+            .lock()
+            .logs
+            .iter()
+            .filter(|l| l.level == level)
+            .map(|l| l.message.clone())
+            .collect()
     }
 
     /// Whether any log line contains `needle`.
     pub fn log_contains(&self, needle: &str) -> bool {
-        self.shared.lock().logs.iter().any(|l| l.message.contains(needle))
+        self.shared
+            .lock()
+            .logs
+            .iter()
+            .any(|l| l.message.contains(needle))
     }
 
     /// Forgets captured logs.
@@ -697,11 +797,18 @@ impl Gateway {
     /// Sets a property every stream sees (`route_name`, `["metadata", ...]` paths, ...).
     pub fn set_property(&mut self, path: &[&str], value: impl AsRef<[u8]>) {
         let path = path.iter().map(|s| s.to_string()).collect();
-        self.shared.lock().properties.insert(path, value.as_ref().to_vec());
+        self.shared
+            .lock()
+            .properties
+            .insert(path, value.as_ref().to_vec());
     }
 
     /// Registers a foreign function (`proxy_call_foreign_function`); unknown names get NotFound.
-    pub fn foreign_function(&mut self, name: &str, f: impl FnMut(&[u8]) -> Result<Vec<u8>, u32> + Send + 'static) {
+    pub fn foreign_function(
+        &mut self,
+        name: &str,
+        f: impl FnMut(&[u8]) -> Result<Vec<u8>, u32> + Send + 'static,
+    ) {
         self.shared.lock().foreign.insert(name.into(), Box::new(f));
     }
 
@@ -714,8 +821,15 @@ impl Gateway {
     ///
     /// # Errors
     /// A trap (the VM is then recreated) or a failed VM.
-    pub fn call_on_foreign_function(&mut self, worker: usize, function_id: u32, args: &[u8]) -> Result<(), HostError> {
-        let Some(Some(vm)) = self.vms.get_mut(worker) else { return Err(HostError::VmFailed(worker)) };
+    pub fn call_on_foreign_function(
+        &mut self,
+        worker: usize,
+        function_id: u32,
+        args: &[u8],
+    ) -> Result<(), HostError> {
+        let Some(Some(vm)) = self.vms.get_mut(worker) else {
+            return Err(HostError::VmFailed(worker));
+        };
         let r = vm.on_foreign_function(function_id, args.to_vec());
         let out = match r {
             Ok(fuel) => {
@@ -733,8 +847,14 @@ impl Gateway {
     }
 
     /// Higress: the endpoints `proxy_get_upstream_hosts` returns, as `(address, JSON info)`.
-    pub fn set_upstream_hosts<A: Into<String>, I: Into<String>>(&mut self, hosts: impl IntoIterator<Item = (A, I)>) {
-        self.shared.lock().upstream_hosts = hosts.into_iter().map(|(a, i)| (a.into(), i.into())).collect();
+    pub fn set_upstream_hosts<A: Into<String>, I: Into<String>>(
+        &mut self,
+        hosts: impl IntoIterator<Item = (A, I)>,
+    ) {
+        self.shared.lock().upstream_hosts = hosts
+            .into_iter()
+            .map(|(a, i)| (a.into(), i.into()))
+            .collect();
     }
 
     /// Traps that happened outside a request (ticks, queues, callbacks of root contexts) and
@@ -872,7 +992,12 @@ impl Gateway {
     /// answers by itself. Deterministic order.
     fn settle(&mut self) {
         loop {
-            if let Some(id) = self.streams.iter().find(|(_, s)| s.dirty).map(|(id, _)| *id) {
+            if let Some(id) = self
+                .streams
+                .iter()
+                .find(|(_, s)| s.dirty)
+                .map(|(id, _)| *id)
+            {
                 self.streams.get_mut(&id).expect("stream").dirty = false;
                 self.drive(id);
                 continue;
@@ -880,7 +1005,9 @@ impl Gateway {
             let ready = std::mem::take(&mut self.shared.lock().queue_ready);
             if !ready.is_empty() {
                 for (worker, root, token) in ready {
-                    let Some(Some(vm)) = self.vms.get_mut(worker) else { continue };
+                    let Some(Some(vm)) = self.vms.get_mut(worker) else {
+                        continue;
+                    };
                     let r = vm.on_queue_ready(root, token);
                     self.fuel_total += r.as_ref().copied().unwrap_or(0);
                     match r {
@@ -907,11 +1034,19 @@ impl Gateway {
                     continue;
                 }
                 call.consulted = true;
-                found = Some((CalloutId { worker: w, token: *token }, call.callout.clone()));
+                found = Some((
+                    CalloutId {
+                        worker: w,
+                        token: *token,
+                    },
+                    call.callout.clone(),
+                ));
                 break 'outer;
             }
         }
-        let Some((id, callout)) = found else { return false };
+        let Some((id, callout)) = found else {
+            return false;
+        };
         let reply = {
             let mut inner = self.shared.lock();
             match inner.clusters.get_mut(&callout.cluster) {
@@ -932,7 +1067,9 @@ impl Gateway {
     /// callback just ran (a continue during it turns its Pause into Continue, as Envoy's
     /// after-call action does).
     fn apply_deferred(&mut self, worker: usize, current: Option<(RequestId, Side)>) {
-        let Some(Some(vm)) = self.vms.get_mut(worker) else { return };
+        let Some(Some(vm)) = self.vms.get_mut(worker) else {
+            return;
+        };
         let deferred = std::mem::take(&mut vm.store.data_mut().deferred);
         // Override host and properties are read back into the stream after every call.
         let snapshots: Vec<(u32, Option<Vec<u8>>, Vec<(Vec<String>, Vec<u8>)>)> = vm
@@ -943,25 +1080,37 @@ impl Gateway {
             .map(|(id, c)| (*id, c.override_host.clone(), c.set_properties.clone()))
             .collect();
         for (ctx, host, props) in snapshots {
-            if let Some(st) = self.by_ctx.get(&(worker, ctx)).and_then(|id| self.streams.get_mut(id)) {
+            if let Some(st) = self
+                .by_ctx
+                .get(&(worker, ctx))
+                .and_then(|id| self.streams.get_mut(id))
+            {
                 st.override_host = host.map(|h| String::from_utf8_lossy(&h).into_owned());
                 st.properties = props;
             }
         }
         for d in deferred {
             let ctx = match &d {
-                Deferred::Continue { context, .. } | Deferred::Close { context, .. } | Deferred::Local { context, .. } => {
-                    *context
-                }
+                Deferred::Continue { context, .. }
+                | Deferred::Close { context, .. }
+                | Deferred::Local { context, .. } => *context,
             };
-            let Some(&id) = self.by_ctx.get(&(worker, ctx)) else { continue };
-            let Some(st) = self.streams.get_mut(&id) else { continue };
+            let Some(&id) = self.by_ctx.get(&(worker, ctx)) else {
+                continue;
+            };
+            let Some(st) = self.streams.get_mut(&id) else {
+                continue;
+            };
             if st.phase == Phase::Done {
                 continue;
             }
             match d {
                 Deferred::Continue { stream, .. } => {
-                    let side = if stream == crate::abi::stream::REQUEST { Side::Request } else { Side::Response };
+                    let side = if stream == crate::abi::stream::REQUEST {
+                        Side::Request
+                    } else {
+                        Side::Response
+                    };
                     let in_callback = current == Some((id, side));
                     let phase_ok = match side {
                         Side::Request => st.phase == Phase::Request,
@@ -983,13 +1132,17 @@ impl Gateway {
     }
 
     fn local_reply(&mut self, id: RequestId, local: LocalResponse) {
-        let Some(st) = self.streams.get_mut(&id) else { return };
+        let Some(st) = self.streams.get_mut(&id) else {
+            return;
+        };
         if st.local.is_some() && st.phase == Phase::Response {
             return;
         }
         let mut response = Response::new(local.status);
         if !local.body.is_empty() {
-            response.headers.add("content-length", &local.body.len().to_string());
+            response
+                .headers
+                .add("content-length", &local.body.len().to_string());
             response.headers.add("content-type", "text/plain");
         }
         for (k, v) in local.headers.iter_bytes() {
@@ -1011,7 +1164,9 @@ impl Gateway {
 
     fn drive(&mut self, id: RequestId) {
         loop {
-            let Some(st) = self.streams.get_mut(&id) else { return };
+            let Some(st) = self.streams.get_mut(&id) else {
+                return;
+            };
             if st.phase == Phase::Done {
                 return;
             }
@@ -1052,7 +1207,11 @@ impl Gateway {
                         }
                     };
                     let st = self.streams.get_mut(&id).expect("stream");
-                    st.resp = Dir::new(response.headers_with_status(), vec![response.body], response.trailers);
+                    st.resp = Dir::new(
+                        response.headers_with_status(),
+                        vec![response.body],
+                        response.trailers,
+                    );
                     st.phase = Phase::Response;
                 }
                 Phase::Response => match self.pump(id, Side::Response) {
@@ -1070,8 +1229,10 @@ impl Gateway {
                             Some(r) => r,
                             None => {
                                 let mut headers = st.resp.out_headers.clone().unwrap_or_default();
-                                let status =
-                                    headers.get(":status").and_then(|s| s.parse().ok()).unwrap_or(200);
+                                let status = headers
+                                    .get(":status")
+                                    .and_then(|s| s.parse().ok())
+                                    .unwrap_or(200);
                                 headers.remove(":status");
                                 Response {
                                     status,
@@ -1103,7 +1264,11 @@ impl Gateway {
         let passthrough = self.allow_on_headers_stop_iteration || self.abi == Abi::V0_2_100;
         loop {
             let st = self.streams.get_mut(&id).expect("stream");
-            let expected = if side == Side::Request { Phase::Request } else { Phase::Response };
+            let expected = if side == Side::Request {
+                Phase::Request
+            } else {
+                Phase::Response
+            };
             if st.phase != expected || st.reset || st.response_override.is_some() {
                 return Ok(Flow::Ended);
             }
@@ -1139,7 +1304,11 @@ impl Gateway {
                     Side::Request => c.request_headers = Some(headers),
                     Side::Response => c.response_headers = Some(headers),
                 }
-                let event = if side == Side::Request { StreamEvent::RequestHeaders } else { StreamEvent::ResponseHeaders };
+                let event = if side == Side::Request {
+                    StreamEvent::RequestHeaders
+                } else {
+                    StreamEvent::ResponseHeaders
+                };
                 (event, n, eos)
             } else if let Some(chunk) = dir.chunks.pop_front() {
                 let eos = dir.end_of_stream() as i32;
@@ -1150,7 +1319,11 @@ impl Gateway {
                     Side::Response => &mut c.response_body,
                 };
                 body.extend_from_slice(&chunk);
-                let event = if side == Side::Request { StreamEvent::RequestBody } else { StreamEvent::ResponseBody };
+                let event = if side == Side::Request {
+                    StreamEvent::RequestBody
+                } else {
+                    StreamEvent::ResponseBody
+                };
                 (event, body.len() as i32, eos)
             } else if dir.trailers.is_some() && !dir.trailers_delivered {
                 dir.trailers_delivered = true;
@@ -1162,8 +1335,11 @@ impl Gateway {
                     Side::Request => c.request_trailers = Some(trailers),
                     Side::Response => c.response_trailers = Some(trailers),
                 }
-                let event =
-                    if side == Side::Request { StreamEvent::RequestTrailers } else { StreamEvent::ResponseTrailers };
+                let event = if side == Side::Request {
+                    StreamEvent::RequestTrailers
+                } else {
+                    StreamEvent::ResponseTrailers
+                };
                 (event, n, 0)
             } else if dir.held {
                 return Ok(Flow::Waiting);
@@ -1195,11 +1371,18 @@ impl Gateway {
             }
             dir.held = true;
             match event {
-                StreamEvent::RequestHeaders | StreamEvent::ResponseHeaders => dir.stop_all = !passthrough,
+                StreamEvent::RequestHeaders | StreamEvent::ResponseHeaders => {
+                    dir.stop_all = !passthrough
+                }
                 StreamEvent::RequestBody => {
                     // StopIterationAndBuffer: Envoy's request buffer limit answers 413.
                     let vm = self.vms[worker].as_ref().expect("live vm");
-                    let buffered = vm.store.data().contexts.get(&ctx).map_or(0, |c| c.request_body.len());
+                    let buffered = vm
+                        .store
+                        .data()
+                        .contexts
+                        .get(&ctx)
+                        .map_or(0, |c| c.request_body.len());
                     if buffered > self.buffer_limit_bytes {
                         self.local_reply(
                             id,
@@ -1224,11 +1407,19 @@ impl Gateway {
     fn release(&mut self, id: RequestId, side: Side) {
         let st = self.streams.get_mut(&id).expect("stream");
         let (worker, ctx) = (st.worker, st.ctx);
-        let Some(Some(vm)) = self.vms.get_mut(worker) else { return };
-        let Some(c) = vm.store.data_mut().contexts.get_mut(&ctx) else { return };
+        let Some(Some(vm)) = self.vms.get_mut(worker) else {
+            return;
+        };
+        let Some(c) = vm.store.data_mut().contexts.get_mut(&ctx) else {
+            return;
+        };
         let (headers, body, trailers) = match side {
             Side::Request => (&c.request_headers, &mut c.request_body, &c.request_trailers),
-            Side::Response => (&c.response_headers, &mut c.response_body, &c.response_trailers),
+            Side::Response => (
+                &c.response_headers,
+                &mut c.response_body,
+                &c.response_trailers,
+            ),
         };
         let dir = st.dir(side);
         dir.held = false;
@@ -1246,7 +1437,9 @@ impl Gateway {
         st.phase = Phase::Done;
         st.state = state;
         let (worker, ctx) = (st.worker, st.ctx);
-        let Some(Some(vm)) = self.vms.get_mut(worker) else { return };
+        let Some(Some(vm)) = self.vms.get_mut(worker) else {
+            return;
+        };
         let result = vm.end_context(ctx);
         match result {
             Ok(fuel) => {
@@ -1262,20 +1455,24 @@ impl Gateway {
     /// VM and a fresh VM takes its place (Envoy's `failure_policy: FAIL_RELOAD`).
     fn fail_vm(&mut self, worker: usize, error: HostError) {
         self.errors.push(error.clone());
-        let victims: Vec<RequestId> =
-            self.streams.iter().filter(|(_, s)| s.worker == worker && s.phase != Phase::Done).map(|(id, _)| *id).collect();
+        let victims: Vec<RequestId> = self
+            .streams
+            .iter()
+            .filter(|(_, s)| s.worker == worker && s.phase != Phase::Done)
+            .map(|(id, _)| *id)
+            .collect();
         for id in victims {
             let st = self.streams.get_mut(&id).expect("stream");
             st.phase = Phase::Done;
             st.dirty = false;
             st.state = StreamState::Failed(error.clone());
         }
-        // A stream finished earlier may have failed in its own on_log/on_done.
-        if let Some(id) = self.by_ctx.iter().filter(|((w, _), _)| *w == worker).map(|(_, id)| *id).next_back() {
+        // A stream that was finishing fails in its own on_log/on_done: it is still mapped.
+        let finishing: Vec<RequestId> =
+            self.by_ctx.iter().filter(|((w, _), _)| *w == worker).map(|(_, id)| *id).collect();
+        for id in finishing {
             if let Some(st) = self.streams.get_mut(&id) {
-                if !matches!(st.state, StreamState::Failed(_)) {
-                    st.state = StreamState::Failed(error.clone());
-                }
+                st.state = StreamState::Failed(error.clone());
             }
         }
         self.by_ctx.retain(|(w, _), _| *w != worker);
@@ -1400,7 +1597,9 @@ impl<'g> RequestBuilder<'g> {
 
     /// Adds a request trailer.
     pub fn trailer(mut self, name: &str, value: &str) -> Self {
-        self.trailers.get_or_insert_with(Headers::new).add(name, value);
+        self.trailers
+            .get_or_insert_with(Headers::new)
+            .add(name, value);
         self
     }
 
@@ -1412,7 +1611,10 @@ impl<'g> RequestBuilder<'g> {
 
     /// A property of this request only (metadata, filter state set by an earlier filter...).
     pub fn property(mut self, path: &[&str], value: impl AsRef<[u8]>) -> Self {
-        self.properties.insert(path.iter().map(|s| s.to_string()).collect(), value.as_ref().to_vec());
+        self.properties.insert(
+            path.iter().map(|s| s.to_string()).collect(),
+            value.as_ref().to_vec(),
+        );
         self
     }
 
@@ -1440,7 +1642,13 @@ impl<'g> RequestBuilder<'g> {
         };
         let has_body = chunks.iter().any(|c| !c.is_empty());
         let mut headers = Headers::new();
-        let method = self.method.unwrap_or_else(|| if has_body { "POST".into() } else { "GET".into() });
+        let method = self.method.unwrap_or_else(|| {
+            if has_body {
+                "POST".into()
+            } else {
+                "GET".into()
+            }
+        });
         headers.add(":method", &method);
         headers.add(":scheme", &self.scheme);
         headers.add(":authority", &self.authority);
@@ -1484,12 +1692,18 @@ impl<'g> RequestBuilder<'g> {
 /// workspace: `$CARGO_TARGET_DIR/wasm32-wasip1/release/<name>.wasm` when `CARGO_TARGET_DIR`
 /// is set (relative to the workspace root if relative), else `<workspace>/target/...`.
 pub fn wasm_path(name: &str) -> PathBuf {
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf();
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf();
     let target = match std::env::var_os("CARGO_TARGET_DIR") {
         Some(dir) => workspace.join(dir),
         None => workspace.join("target"),
     };
-    target.join("wasm32-wasip1").join("release").join(format!("{name}.wasm"))
+    target
+        .join("wasm32-wasip1")
+        .join("release")
+        .join(format!("{name}.wasm"))
 }
 
 /// [`wasm_path`], checked to exist.
@@ -1501,7 +1715,9 @@ pub fn built_wasm(name: &str) -> Result<PathBuf, HostError> {
     if path.is_file() {
         Ok(path)
     } else {
-        Err(HostError::MissingFixture { path: path.display().to_string() })
+        Err(HostError::MissingFixture {
+            path: path.display().to_string(),
+        })
     }
 }
 
@@ -1522,7 +1738,10 @@ impl std::fmt::Debug for GatewayBuilder {
         f.debug_struct("GatewayBuilder")
             .field("mode", &self.opts.mode)
             .field("workers", &self.workers)
-            .field("allow_on_headers_stop_iteration", &self.allow_on_headers_stop_iteration)
+            .field(
+                "allow_on_headers_stop_iteration",
+                &self.allow_on_headers_stop_iteration,
+            )
             .field("buffer_limit_bytes", &self.buffer_limit_bytes)
             .finish_non_exhaustive()
     }
@@ -1530,6 +1749,9 @@ impl std::fmt::Debug for GatewayBuilder {
 
 impl std::fmt::Debug for RequestBuilder<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RequestBuilder").field("path", &self.path).field("headers", &self.headers).finish_non_exhaustive()
+        f.debug_struct("RequestBuilder")
+            .field("path", &self.path)
+            .field("headers", &self.headers)
+            .finish_non_exhaustive()
     }
 }

@@ -16,7 +16,9 @@ impl Headers {
     }
 
     /// Builds a map from `(name, value)` pairs (names are lower-cased).
-    pub fn from_pairs<K: AsRef<str>, V: AsRef<str>>(pairs: impl IntoIterator<Item = (K, V)>) -> Self {
+    pub fn from_pairs<K: AsRef<str>, V: AsRef<str>>(
+        pairs: impl IntoIterator<Item = (K, V)>,
+    ) -> Self {
         let mut h = Self::new();
         for (k, v) in pairs {
             h.add(k.as_ref(), v.as_ref());
@@ -31,7 +33,8 @@ impl Headers {
 
     /// Appends a byte value.
     pub fn add_bytes(&mut self, name: &[u8], value: &[u8]) {
-        self.entries.push((name.to_ascii_lowercase(), value.to_vec()));
+        self.entries
+            .push((name.to_ascii_lowercase(), value.to_vec()));
     }
 
     /// Replaces every value of `name` by one value, appending it if absent (Envoy `setCopy`).
@@ -71,19 +74,27 @@ impl Headers {
 
     /// First value of `name` as UTF-8 (`None` if absent or not UTF-8).
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.get_bytes(name.as_bytes()).and_then(|v| std::str::from_utf8(v).ok())
+        self.get_bytes(name.as_bytes())
+            .and_then(|v| std::str::from_utf8(v).ok())
     }
 
     /// First value of `name` as bytes.
     pub fn get_bytes(&self, name: &[u8]) -> Option<&[u8]> {
         let name = name.to_ascii_lowercase();
-        self.entries.iter().find(|(k, _)| *k == name).map(|(_, v)| v.as_slice())
+        self.entries
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_slice())
     }
 
     /// Every value of `name`, in order.
     pub fn get_all(&self, name: &str) -> Vec<&[u8]> {
         let name = name.as_bytes().to_ascii_lowercase();
-        self.entries.iter().filter(|(k, _)| *k == name).map(|(_, v)| v.as_slice()).collect()
+        self.entries
+            .iter()
+            .filter(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_slice())
+            .collect()
     }
 
     /// Whether `name` has at least one value.
@@ -103,14 +114,19 @@ impl Headers {
 
     /// Entries as lossy UTF-8 strings, in order.
     pub fn iter(&self) -> impl Iterator<Item = (String, String)> + '_ {
-        self.entries
-            .iter()
-            .map(|(k, v)| (String::from_utf8_lossy(k).into_owned(), String::from_utf8_lossy(v).into_owned()))
+        self.entries.iter().map(|(k, v)| {
+            (
+                String::from_utf8_lossy(k).into_owned(),
+                String::from_utf8_lossy(v).into_owned(),
+            )
+        })
     }
 
     /// Entries as bytes, in order.
     pub fn iter_bytes(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
-        self.entries.iter().map(|(k, v)| (k.as_slice(), v.as_slice()))
+        self.entries
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_slice()))
     }
 
     /// Sum of name and value lengths.
@@ -133,7 +149,10 @@ mod tests {
     fn set_replaces_all_values_and_keeps_position() {
         let mut h = Headers::from_pairs([("A", "1"), ("b", "2"), ("a", "3")]);
         h.set("a", "x");
-        assert_eq!(h.iter().collect::<Vec<_>>(), vec![("a".into(), "x".into()), ("b".into(), "2".into())]);
+        assert_eq!(
+            h.iter().collect::<Vec<_>>(),
+            vec![("a".into(), "x".into()), ("b".into(), "2".into())]
+        );
         h.remove("B");
         assert_eq!(h.len(), 1);
         assert_eq!(h.get("A"), Some("x"));

@@ -1,7 +1,7 @@
 //! A small blocking HTTP/1.1 client: forwards a callout to a loopback server, as Envoy's
 //! async client would send it to the cluster. One connection per call (`connection: close`).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
@@ -15,16 +15,25 @@ pub(crate) fn forward(addr: SocketAddr, callout: &Callout) -> CalloutReply {
     let timeout = callout.timeout.unwrap_or(DEFAULT_FORWARD_TIMEOUT);
     match exchange(addr, callout, timeout) {
         Ok(r) => CalloutReply::Response(r),
-        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
             CalloutReply::Response(
-                Response::new(504).header("content-type", "text/plain").body("upstream request timeout"),
+                Response::new(504)
+                    .header("content-type", "text/plain")
+                    .body("upstream request timeout"),
             )
         }
         // What Envoy's router answers when the connection fails.
         Err(e) => CalloutReply::Response(
             Response::new(503)
                 .header("content-type", "text/plain")
-                .body(format!("upstream connect error or disconnect/reset before headers. reset reason: {e}")),
+                .body(format!(
+                    "upstream connect error or disconnect/reset before headers. reset reason: {e}"
+                )),
         ),
     }
 }
@@ -50,7 +59,13 @@ fn exchange(addr: SocketAddr, callout: &Callout, timeout: Duration) -> std::io::
         req.extend_from_slice(v);
         req.extend_from_slice(b"\r\n");
     }
-    req.extend_from_slice(format!("content-length: {}\r\nconnection: close\r\n\r\n", callout.body.len()).as_bytes());
+    req.extend_from_slice(
+        format!(
+            "content-length: {}\r\nconnection: close\r\n\r\n",
+            callout.body.len()
+        )
+        .as_bytes(),
+    );
     req.extend_from_slice(&callout.body);
     stream.write_all(&req)?;
     read_response(&mut BufReader::new(stream))
@@ -83,7 +98,10 @@ pub(crate) fn read_response(r: &mut impl BufRead) -> std::io::Result<Response> {
         headers.add(k.trim(), v.trim());
     }
     let mut body = Vec::new();
-    if headers.get("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+    if headers
+        .get("transfer-encoding")
+        .is_some_and(|v| v.eq_ignore_ascii_case("chunked"))
+    {
         loop {
             let size_line = read_line(r)?;
             let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("").trim(), 16)
@@ -98,13 +116,21 @@ pub(crate) fn read_response(r: &mut impl BufRead) -> std::io::Result<Response> {
             read_line(r)?;
         }
         headers.remove("transfer-encoding");
-    } else if let Some(len) = headers.get("content-length").and_then(|v| v.parse::<usize>().ok()) {
+    } else if let Some(len) = headers
+        .get("content-length")
+        .and_then(|v| v.parse::<usize>().ok())
+    {
         body.resize(len, 0);
         r.read_exact(&mut body)?;
     } else {
         r.read_to_end(&mut body)?;
     }
-    Ok(Response { status, headers, body, trailers: None })
+    Ok(Response {
+        status,
+        headers,
+        body,
+        trailers: None,
+    })
 }
 
 #[cfg(test)]
@@ -115,7 +141,10 @@ mod tests {
     fn reads_chunked_and_sized_responses() {
         let raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: b\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
         let r = read_response(&mut &raw[..]).unwrap();
-        assert_eq!((r.status, r.body.as_slice(), r.headers.get("x-a")), (200, &b"abcde"[..], Some("b")));
+        assert_eq!(
+            (r.status, r.body.as_slice(), r.headers.get("x-a")),
+            (200, &b"abcde"[..], Some("b"))
+        );
         let raw = b"HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\n\r\nnoEXTRA";
         let r = read_response(&mut &raw[..]).unwrap();
         assert_eq!((r.status, r.body.as_slice()), (404, &b"no"[..]));

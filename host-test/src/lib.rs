@@ -112,6 +112,6 @@ pub use gateway::{
 };
 pub use headers::Headers;
 pub use types::{
-    Callout, CalloutHandler, CalloutId, CalloutReply, ForeignFn, HostError, LocalResponse, LogEntry, Outcome,
-    RequestId, Response, StreamState,
+    Callout, CalloutHandler, CalloutId, CalloutReply, ForeignFn, HostError, LocalResponse,
+    LogEntry, Outcome, RequestId, Response, StreamState,
 };

@@ -41,7 +41,13 @@ impl SharedData {
             }
         }
         let cas = self.next_cas();
-        self.map.insert(key.to_vec(), SharedEntry { value: value.to_vec(), cas });
+        self.map.insert(
+            key.to_vec(),
+            SharedEntry {
+                value: value.to_vec(),
+                cas,
+            },
+        );
         Ok(cas)
     }
 }
@@ -65,8 +71,10 @@ pub(crate) struct Queues {
 
 impl Queues {
     pub fn register(&mut self, vm_id: &str, name: &str, vm: usize, root: u32) -> u32 {
-        if let Some((token, q)) =
-            self.by_token.iter_mut().find(|(_, q)| q.vm_id == vm_id && q.name == name)
+        if let Some((token, q)) = self
+            .by_token
+            .iter_mut()
+            .find(|(_, q)| q.vm_id == vm_id && q.name == name)
         {
             q.owner_vm = vm;
             q.owner_root = root;
@@ -88,7 +96,10 @@ impl Queues {
     }
 
     pub fn resolve(&self, vm_id: &str, name: &str) -> Option<u32> {
-        self.by_token.iter().find(|(_, q)| q.vm_id == vm_id && q.name == name).map(|(t, _)| *t)
+        self.by_token
+            .iter()
+            .find(|(_, q)| q.vm_id == vm_id && q.name == name)
+            .map(|(t, _)| *t)
     }
 }
 

@@ -96,7 +96,12 @@ pub struct Response {
 impl Response {
     /// A response with this status, no header, no body.
     pub fn new(status: u16) -> Self {
-        Response { status, headers: Headers::new(), body: Vec::new(), trailers: None }
+        Response {
+            status,
+            headers: Headers::new(),
+            body: Vec::new(),
+            trailers: None,
+        }
     }
 
     /// `200 OK` with this body.
@@ -124,7 +129,9 @@ impl Response {
 
     /// Adds a trailer.
     pub fn trailer(mut self, name: &str, value: &str) -> Self {
-        self.trailers.get_or_insert_with(Headers::new).add(name, value);
+        self.trailers
+            .get_or_insert_with(Headers::new)
+            .add(name, value);
         self
     }
 

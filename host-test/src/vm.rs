@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use wasmtime::{Caller, Engine, Extern, Instance, Linker, Memory, Module, Store, TypedFunc};
+use wasmtime::{Caller, Extern, Instance, Linker, Memory, Module, Store, TypedFunc};
 
 use crate::abi::{self, buffer, map, status, LogLevel, MetricKind};
 use crate::headers::Headers;
@@ -20,7 +20,7 @@ use crate::Mode;
 
 /// Fuel given to each callback: far more than any sane callback needs, so running out means
 /// a runaway loop, reported as a trap instead of hanging the test.
-pub(crate) const FUEL_PER_CALL: u64 = 200_000_000_000;
+pub(crate) const DEFAULT_FUEL_PER_CALL: u64 = 20_000_000_000;
 
 /// Load-time settings every VM of a gateway shares.
 #[derive(Debug, Clone)]
@@ -33,6 +33,7 @@ pub(crate) struct HostOptions {
     pub vm_config: Vec<u8>,
     pub env: Vec<(String, String)>,
     pub fuel: bool,
+    pub fuel_per_call: u64,
 }
 
 /// Per-stream maps and buffers the hostcalls read and write.
@@ -54,9 +55,16 @@ pub(crate) struct HttpCtx {
 /// An effect Envoy applies after the VM call returns.
 #[derive(Debug, Clone)]
 pub(crate) enum Deferred {
-    Continue { context: u32, stream: i32 },
-    Close { context: u32, stream: i32 },
-    Local { context: u32, response: LocalResponse },
+    Continue {
+        context: u32,
+        stream: i32,
+    },
+    /// Either direction: Envoy resets the whole stream.
+    Close { context: u32 },
+    Local {
+        context: u32,
+        response: LocalResponse,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -108,7 +116,12 @@ impl HostState {
         if level == LogLevel::Critical {
             self.last_critical = Some(message.clone());
         }
-        let entry = LogEntry { worker: self.worker, context_id: self.effective, level, message };
+        let entry = LogEntry {
+            worker: self.worker,
+            context_id: self.effective,
+            level,
+            message,
+        };
         self.shared.lock().logs.push(entry);
     }
 
@@ -121,10 +134,18 @@ impl HostState {
     fn map(&mut self, map_type: i32) -> Result<&mut Headers, i32> {
         let slot = match map_type {
             map::HTTP_CALL_RESPONSE_HEADERS => {
-                return self.call_response.as_mut().map(|r| &mut r.headers).ok_or(status::BAD_ARGUMENT)
+                return self
+                    .call_response
+                    .as_mut()
+                    .map(|r| &mut r.headers)
+                    .ok_or(status::BAD_ARGUMENT)
             }
             map::HTTP_CALL_RESPONSE_TRAILERS => {
-                return self.call_response.as_mut().map(|r| &mut r.trailers).ok_or(status::BAD_ARGUMENT)
+                return self
+                    .call_response
+                    .as_mut()
+                    .map(|r| &mut r.trailers)
+                    .ok_or(status::BAD_ARGUMENT)
             }
             _ => {
                 let ctx = self.http().ok_or(status::BAD_ARGUMENT)?;
@@ -207,19 +228,27 @@ fn guard(c: &C<'_>, name: &str) -> wasmtime::Result<()> {
 }
 
 fn memory(c: &C<'_>) -> wasmtime::Result<Memory> {
-    c.data().memory.ok_or_else(|| wasmtime::format_err!("module exports no memory"))
+    c.data()
+        .memory
+        .ok_or_else(|| wasmtime::format_err!("module exports no memory"))
 }
 
 fn read(c: &mut C<'_>, ptr: i32, len: i32) -> wasmtime::Result<Option<Vec<u8>>> {
     let mem = memory(c)?;
     let (ptr, len) = (ptr as u32 as usize, len as u32 as usize);
-    Ok(mem.data(&*c).get(ptr..ptr.saturating_add(len)).map(<[u8]>::to_vec))
+    Ok(mem
+        .data(&*c)
+        .get(ptr..ptr.saturating_add(len))
+        .map(<[u8]>::to_vec))
 }
 
 fn write(c: &mut C<'_>, ptr: i32, bytes: &[u8]) -> wasmtime::Result<bool> {
     let mem = memory(c)?;
     let ptr = ptr as u32 as usize;
-    match mem.data_mut(&mut *c).get_mut(ptr..ptr.saturating_add(bytes.len())) {
+    match mem
+        .data_mut(&mut *c)
+        .get_mut(ptr..ptr.saturating_add(bytes.len()))
+    {
         Some(dst) => {
             dst.copy_from_slice(bytes);
             Ok(true)
@@ -238,7 +267,11 @@ fn copy_out(c: &mut C<'_>, bytes: &[u8], ptr_ptr: i32, size_ptr: i32) -> R {
     let ptr = if bytes.is_empty() {
         0
     } else {
-        let alloc = c.data().alloc.clone().ok_or_else(|| wasmtime::format_err!("module exports no allocator"))?;
+        let alloc = c
+            .data()
+            .alloc
+            .clone()
+            .ok_or_else(|| wasmtime::format_err!("module exports no allocator"))?;
         let ptr = alloc.call(&mut *c, bytes.len() as i32)?;
         if ptr == 0 || !write(c, ptr, bytes)? {
             return Ok(status::INVALID_MEMORY_ACCESS);
@@ -262,7 +295,10 @@ macro_rules! read_or {
 
 fn split_path(bytes: &[u8]) -> Vec<String> {
     let trimmed = bytes.strip_suffix(&[0]).unwrap_or(bytes);
-    trimmed.split(|b| *b == 0).map(|s| String::from_utf8_lossy(s).into_owned()).collect()
+    trimmed
+        .split(|b| *b == 0)
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect()
 }
 
 /// Links every import Envoy (and in Higress mode, Higress) offers a module of ABI 0.2.1.
@@ -278,36 +314,55 @@ pub(crate) fn link(linker: &mut Linker<HostState>, mode: Mode) -> wasmtime::Resu
 }
 
 fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
-    l.func_wrap("env", "proxy_log", |mut c: C<'_>, level: i32, ptr: i32, len: i32| -> R {
-        let msg = read_or!(&mut c, ptr, len);
-        let Some(level) = LogLevel::from_abi(level) else { return Ok(status::BAD_ARGUMENT) };
-        c.data_mut().log(level, String::from_utf8_lossy(&msg).into_owned());
-        Ok(status::OK)
-    })?;
-    l.func_wrap("env", "proxy_get_log_level", |mut c: C<'_>, ptr: i32| -> R {
-        guard(&c, "proxy_get_log_level")?;
-        let level = c.data().shared.lock().log_level.unwrap_or(LogLevel::Info);
-        if !write_u32(&mut c, ptr, level.to_abi() as u32)? {
-            return Ok(status::INVALID_MEMORY_ACCESS);
-        }
-        Ok(status::OK)
-    })?;
-    l.func_wrap("env", "proxy_get_current_time_nanoseconds", |mut c: C<'_>, ptr: i32| -> R {
-        guard(&c, "proxy_get_current_time_nanoseconds")?;
-        let now = c.data().now();
-        if !write(&mut c, ptr, &now.to_le_bytes())? {
-            return Ok(status::INVALID_MEMORY_ACCESS);
-        }
-        Ok(status::OK)
-    })?;
-    l.func_wrap("env", "proxy_set_tick_period_milliseconds", |mut c: C<'_>, period: i32| -> R {
-        guard(&c, "proxy_set_tick_period_milliseconds")?;
-        let now = c.data().now();
-        let s = c.data_mut();
-        s.tick_period_ms = period as u32;
-        s.next_tick_nanos = (period != 0).then(|| now + period as u32 as u64 * 1_000_000);
-        Ok(status::OK)
-    })?;
+    l.func_wrap(
+        "env",
+        "proxy_log",
+        |mut c: C<'_>, level: i32, ptr: i32, len: i32| -> R {
+            let msg = read_or!(&mut c, ptr, len);
+            let Some(level) = LogLevel::from_abi(level) else {
+                return Ok(status::BAD_ARGUMENT);
+            };
+            c.data_mut()
+                .log(level, String::from_utf8_lossy(&msg).into_owned());
+            Ok(status::OK)
+        },
+    )?;
+    l.func_wrap(
+        "env",
+        "proxy_get_log_level",
+        |mut c: C<'_>, ptr: i32| -> R {
+            guard(&c, "proxy_get_log_level")?;
+            let level = c.data().shared.lock().log_level.unwrap_or(LogLevel::Info);
+            if !write_u32(&mut c, ptr, level.to_abi() as u32)? {
+                return Ok(status::INVALID_MEMORY_ACCESS);
+            }
+            Ok(status::OK)
+        },
+    )?;
+    l.func_wrap(
+        "env",
+        "proxy_get_current_time_nanoseconds",
+        |mut c: C<'_>, ptr: i32| -> R {
+            guard(&c, "proxy_get_current_time_nanoseconds")?;
+            let now = c.data().now();
+            if !write(&mut c, ptr, &now.to_le_bytes())? {
+                return Ok(status::INVALID_MEMORY_ACCESS);
+            }
+            Ok(status::OK)
+        },
+    )?;
+    l.func_wrap(
+        "env",
+        "proxy_set_tick_period_milliseconds",
+        |mut c: C<'_>, period: i32| -> R {
+            guard(&c, "proxy_set_tick_period_milliseconds")?;
+            let now = c.data().now();
+            let s = c.data_mut();
+            s.tick_period_ms = period as u32;
+            s.next_tick_nanos = (period != 0).then(|| now + period as u32 as u64 * 1_000_000);
+            Ok(status::OK)
+        },
+    )?;
 
     // Buffers.
     l.func_wrap(
@@ -333,7 +388,10 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             };
             let bytes = if matches!(ty, buffer::VM_CONFIGURATION | buffer::PLUGIN_CONFIGURATION) {
                 let end = start.saturating_add(max).min(bytes.len());
-                bytes.get(start..end).map(<[u8]>::to_vec).unwrap_or_default()
+                bytes
+                    .get(start..end)
+                    .map(<[u8]>::to_vec)
+                    .unwrap_or_default()
             } else {
                 bytes
             };
@@ -350,7 +408,9 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             if !matches!(ty, buffer::HTTP_REQUEST_BODY | buffer::HTTP_RESPONSE_BODY) {
                 return Ok(status::BAD_ARGUMENT);
             }
-            let Some(b) = c.data_mut().buffer(ty) else { return Ok(status::NOT_FOUND) };
+            let Some(b) = c.data_mut().buffer(ty) else {
+                return Ok(status::NOT_FOUND);
+            };
             // Envoy's Buffer::copyFrom: prepend, replace whole, or append; nothing in between.
             if start == 0 {
                 if length == 0 {
@@ -368,55 +428,73 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             Ok(status::OK)
         },
     )?;
-    l.func_wrap("env", "proxy_get_buffer_status", |mut c: C<'_>, ty: i32, len_ptr: i32, flags_ptr: i32| -> R {
-        guard(&c, "proxy_get_buffer_status")?;
-        let s = c.data_mut();
-        let len = match ty {
-            buffer::VM_CONFIGURATION => s.opts.vm_config.len(),
-            buffer::PLUGIN_CONFIGURATION => s.opts.plugin_config.len(),
-            _ => match s.buffer(ty) {
-                Some(b) => b.len(),
-                None => return Ok(status::NOT_FOUND),
-            },
-        };
-        if !write_u32(&mut c, len_ptr, len as u32)? || !write_u32(&mut c, flags_ptr, 0)? {
-            return Ok(status::INVALID_MEMORY_ACCESS);
-        }
-        Ok(status::OK)
-    })?;
+    l.func_wrap(
+        "env",
+        "proxy_get_buffer_status",
+        |mut c: C<'_>, ty: i32, len_ptr: i32, flags_ptr: i32| -> R {
+            guard(&c, "proxy_get_buffer_status")?;
+            let s = c.data_mut();
+            let len = match ty {
+                buffer::VM_CONFIGURATION => s.opts.vm_config.len(),
+                buffer::PLUGIN_CONFIGURATION => s.opts.plugin_config.len(),
+                _ => match s.buffer(ty) {
+                    Some(b) => b.len(),
+                    None => return Ok(status::NOT_FOUND),
+                },
+            };
+            if !write_u32(&mut c, len_ptr, len as u32)? || !write_u32(&mut c, flags_ptr, 0)? {
+                return Ok(status::INVALID_MEMORY_ACCESS);
+            }
+            Ok(status::OK)
+        },
+    )?;
 
     // Header maps.
-    l.func_wrap("env", "proxy_get_header_map_size", |mut c: C<'_>, ty: i32, size_ptr: i32| -> R {
-        guard(&c, "proxy_get_header_map_size")?;
-        let size = match c.data_mut().map(ty) {
-            Ok(m) => abi::serialize_pairs(m.iter_bytes()).len(),
-            Err(st) => return Ok(st),
-        };
-        if !write_u32(&mut c, size_ptr, size as u32)? {
-            return Ok(status::INVALID_MEMORY_ACCESS);
-        }
-        Ok(status::OK)
-    })?;
-    l.func_wrap("env", "proxy_get_header_map_pairs", |mut c: C<'_>, ty: i32, ptr_ptr: i32, size_ptr: i32| -> R {
-        guard(&c, "proxy_get_header_map_pairs")?;
-        let bytes = match c.data_mut().map(ty) {
-            Ok(m) => abi::serialize_pairs(m.iter_bytes()),
-            Err(st) => return Ok(st),
-        };
-        copy_out(&mut c, &bytes, ptr_ptr, size_ptr)
-    })?;
-    l.func_wrap("env", "proxy_set_header_map_pairs", |mut c: C<'_>, ty: i32, ptr: i32, size: i32| -> R {
-        guard(&c, "proxy_set_header_map_pairs")?;
-        let bytes = read_or!(&mut c, ptr, size);
-        let Some(new) = abi::deserialize_pairs(&bytes) else { return Ok(status::SERIALIZATION_FAILURE) };
-        match c.data_mut().map(ty) {
-            Ok(m) => {
-                *m = new;
-                Ok(status::OK)
+    l.func_wrap(
+        "env",
+        "proxy_get_header_map_size",
+        |mut c: C<'_>, ty: i32, size_ptr: i32| -> R {
+            guard(&c, "proxy_get_header_map_size")?;
+            let size = match c.data_mut().map(ty) {
+                Ok(m) => abi::serialize_pairs(m.iter_bytes()).len(),
+                Err(st) => return Ok(st),
+            };
+            if !write_u32(&mut c, size_ptr, size as u32)? {
+                return Ok(status::INVALID_MEMORY_ACCESS);
             }
-            Err(st) => Ok(st),
-        }
-    })?;
+            Ok(status::OK)
+        },
+    )?;
+    l.func_wrap(
+        "env",
+        "proxy_get_header_map_pairs",
+        |mut c: C<'_>, ty: i32, ptr_ptr: i32, size_ptr: i32| -> R {
+            guard(&c, "proxy_get_header_map_pairs")?;
+            let bytes = match c.data_mut().map(ty) {
+                Ok(m) => abi::serialize_pairs(m.iter_bytes()),
+                Err(st) => return Ok(st),
+            };
+            copy_out(&mut c, &bytes, ptr_ptr, size_ptr)
+        },
+    )?;
+    l.func_wrap(
+        "env",
+        "proxy_set_header_map_pairs",
+        |mut c: C<'_>, ty: i32, ptr: i32, size: i32| -> R {
+            guard(&c, "proxy_set_header_map_pairs")?;
+            let bytes = read_or!(&mut c, ptr, size);
+            let Some(new) = abi::deserialize_pairs(&bytes) else {
+                return Ok(status::SERIALIZATION_FAILURE);
+            };
+            match c.data_mut().map(ty) {
+                Ok(m) => {
+                    *m = new;
+                    Ok(status::OK)
+                }
+                Err(st) => Ok(st),
+            }
+        },
+    )?;
     l.func_wrap(
         "env",
         "proxy_get_header_map_value",
@@ -465,17 +543,21 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             }
         },
     )?;
-    l.func_wrap("env", "proxy_remove_header_map_value", |mut c: C<'_>, ty: i32, kptr: i32, klen: i32| -> R {
-        guard(&c, "proxy_remove_header_map_value")?;
-        let key = read_or!(&mut c, kptr, klen);
-        match c.data_mut().map(ty) {
-            Ok(m) => {
-                m.remove_bytes(&key);
-                Ok(status::OK)
+    l.func_wrap(
+        "env",
+        "proxy_remove_header_map_value",
+        |mut c: C<'_>, ty: i32, kptr: i32, klen: i32| -> R {
+            guard(&c, "proxy_remove_header_map_value")?;
+            let key = read_or!(&mut c, kptr, klen);
+            match c.data_mut().map(ty) {
+                Ok(m) => {
+                    m.remove_bytes(&key);
+                    Ok(status::OK)
+                }
+                Err(st) => Ok(st),
             }
-            Err(st) => Ok(st),
-        }
-    })?;
+        },
+    )?;
 
     // Properties.
     l.func_wrap(
@@ -490,19 +572,23 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             }
         },
     )?;
-    l.func_wrap("env", "proxy_set_property", |mut c: C<'_>, pptr: i32, plen: i32, vptr: i32, vlen: i32| -> R {
-        guard(&c, "proxy_set_property")?;
-        let path = split_path(&read_or!(&mut c, pptr, plen));
-        let value = read_or!(&mut c, vptr, vlen);
-        // Envoy writes filter state of the stream; a root context has no stream.
-        match c.data_mut().http() {
-            Some(ctx) => {
-                ctx.set_properties.push((path, value));
-                Ok(status::OK)
+    l.func_wrap(
+        "env",
+        "proxy_set_property",
+        |mut c: C<'_>, pptr: i32, plen: i32, vptr: i32, vlen: i32| -> R {
+            guard(&c, "proxy_set_property")?;
+            let path = split_path(&read_or!(&mut c, pptr, plen));
+            let value = read_or!(&mut c, vptr, vlen);
+            // Envoy writes filter state of the stream; a root context has no stream.
+            match c.data_mut().http() {
+                Some(ctx) => {
+                    ctx.set_properties.push((path, value));
+                    Ok(status::OK)
+                }
+                None => Ok(status::NOT_FOUND),
             }
-            None => Ok(status::NOT_FOUND),
-        }
-    })?;
+        },
+    )?;
 
     // Shared data.
     l.func_wrap(
@@ -512,7 +598,9 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             guard(&c, "proxy_get_shared_data")?;
             let key = read_or!(&mut c, kptr, klen);
             let entry = c.data().shared.lock().shared_data.map.get(&key).cloned();
-            let Some(entry) = entry else { return Ok(status::NOT_FOUND) };
+            let Some(entry) = entry else {
+                return Ok(status::NOT_FOUND);
+            };
             let st = copy_out(&mut c, &entry.value, ptr_ptr, size_ptr)?;
             if st != status::OK {
                 return Ok(st);
@@ -530,22 +618,39 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             guard(&c, "proxy_set_shared_data")?;
             let key = read_or!(&mut c, kptr, klen);
             let value = read_or!(&mut c, vptr, vlen);
-            let result = c.data().shared.lock().shared_data.set(&key, &value, cas as u32);
-            Ok(if result.is_ok() { status::OK } else { status::CAS_MISMATCH })
+            let result = c
+                .data()
+                .shared
+                .lock()
+                .shared_data
+                .set(&key, &value, cas as u32);
+            Ok(if result.is_ok() {
+                status::OK
+            } else {
+                status::CAS_MISMATCH
+            })
         },
     )?;
 
     // Shared queues.
-    l.func_wrap("env", "proxy_register_shared_queue", |mut c: C<'_>, nptr: i32, nlen: i32, id_ptr: i32| -> R {
-        guard(&c, "proxy_register_shared_queue")?;
-        let name = String::from_utf8_lossy(&read_or!(&mut c, nptr, nlen)).into_owned();
-        let s = c.data();
-        let token = s.shared.lock().queues.register(&s.opts.vm_id, &name, s.worker, s.root_id);
-        if !write_u32(&mut c, id_ptr, token)? {
-            return Ok(status::INVALID_MEMORY_ACCESS);
-        }
-        Ok(status::OK)
-    })?;
+    l.func_wrap(
+        "env",
+        "proxy_register_shared_queue",
+        |mut c: C<'_>, nptr: i32, nlen: i32, id_ptr: i32| -> R {
+            guard(&c, "proxy_register_shared_queue")?;
+            let name = String::from_utf8_lossy(&read_or!(&mut c, nptr, nlen)).into_owned();
+            let s = c.data();
+            let token = s
+                .shared
+                .lock()
+                .queues
+                .register(&s.opts.vm_id, &name, s.worker, s.root_id);
+            if !write_u32(&mut c, id_ptr, token)? {
+                return Ok(status::INVALID_MEMORY_ACCESS);
+            }
+            Ok(status::OK)
+        },
+    )?;
     l.func_wrap(
         "env",
         "proxy_resolve_shared_queue",
@@ -554,132 +659,195 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             let vm_id = String::from_utf8_lossy(&read_or!(&mut c, vptr, vlen)).into_owned();
             let name = String::from_utf8_lossy(&read_or!(&mut c, nptr, nlen)).into_owned();
             let token = c.data().shared.lock().queues.resolve(&vm_id, &name);
-            let Some(token) = token else { return Ok(status::NOT_FOUND) };
+            let Some(token) = token else {
+                return Ok(status::NOT_FOUND);
+            };
             if !write_u32(&mut c, id_ptr, token)? {
                 return Ok(status::INVALID_MEMORY_ACCESS);
             }
             Ok(status::OK)
         },
     )?;
-    l.func_wrap("env", "proxy_enqueue_shared_queue", |mut c: C<'_>, token: i32, ptr: i32, len: i32| -> R {
-        guard(&c, "proxy_enqueue_shared_queue")?;
-        let value = read_or!(&mut c, ptr, len);
-        let mut inner = c.data().shared.lock();
-        let Some(q) = inner.queues.by_token.get_mut(&(token as u32)) else { return Ok(status::NOT_FOUND) };
-        q.items.push_back(value);
-        let ready = (q.owner_vm, q.owner_root, token as u32);
-        inner.queue_ready.push(ready);
-        Ok(status::OK)
-    })?;
-    l.func_wrap("env", "proxy_dequeue_shared_queue", |mut c: C<'_>, token: i32, ptr_ptr: i32, size_ptr: i32| -> R {
-        guard(&c, "proxy_dequeue_shared_queue")?;
-        let item = {
+    l.func_wrap(
+        "env",
+        "proxy_enqueue_shared_queue",
+        |mut c: C<'_>, token: i32, ptr: i32, len: i32| -> R {
+            guard(&c, "proxy_enqueue_shared_queue")?;
+            let value = read_or!(&mut c, ptr, len);
             let mut inner = c.data().shared.lock();
-            let Some(q) = inner.queues.by_token.get_mut(&(token as u32)) else { return Ok(status::NOT_FOUND) };
-            match q.items.pop_front() {
-                Some(item) => item,
-                None => return Ok(status::EMPTY),
-            }
-        };
-        copy_out(&mut c, &item, ptr_ptr, size_ptr)
-    })?;
-
-    // Metrics (process-wide in Envoy: every VM defining a name shares the stat).
-    l.func_wrap("env", "proxy_define_metric", |mut c: C<'_>, ty: i32, nptr: i32, nlen: i32, id_ptr: i32| -> R {
-        guard(&c, "proxy_define_metric")?;
-        let name = String::from_utf8_lossy(&read_or!(&mut c, nptr, nlen)).into_owned();
-        let Some(kind) = MetricKind::from_abi(ty) else { return Ok(status::BAD_ARGUMENT) };
-        let id = {
-            let mut inner = c.data().shared.lock();
-            match inner.metrics.iter().position(|m| m.name == name) {
-                Some(i) if inner.metrics[i].kind == kind => i + 1,
-                Some(_) => return Ok(status::BAD_ARGUMENT),
-                None => {
-                    inner.metrics.push(Metric { name, kind, value: 0, samples: Vec::new() });
-                    inner.metrics.len()
-                }
-            }
-        };
-        if !write_u32(&mut c, id_ptr, id as u32)? {
-            return Ok(status::INVALID_MEMORY_ACCESS);
-        }
-        Ok(status::OK)
-    })?;
-    l.func_wrap("env", "proxy_increment_metric", |c: C<'_>, id: i32, offset: i64| -> R {
-        guard(&c, "proxy_increment_metric")?;
-        let mut inner = c.data().shared.lock();
-        let Some(m) = (id as u32 as usize).checked_sub(1).and_then(|i| inner.metrics.get_mut(i)) else {
-            return Ok(status::NOT_FOUND);
-        };
-        match m.kind {
-            // Envoy counters only go up.
-            MetricKind::Counter if offset > 0 => m.value = m.value.wrapping_add(offset as u64),
-            MetricKind::Gauge => m.value = m.value.wrapping_add(offset as u64),
-            _ => return Ok(status::BAD_ARGUMENT),
-        }
-        Ok(status::OK)
-    })?;
-    l.func_wrap("env", "proxy_record_metric", |c: C<'_>, id: i32, value: i64| -> R {
-        guard(&c, "proxy_record_metric")?;
-        let mut inner = c.data().shared.lock();
-        let Some(m) = (id as u32 as usize).checked_sub(1).and_then(|i| inner.metrics.get_mut(i)) else {
-            return Ok(status::NOT_FOUND);
-        };
-        let value = value as u64;
-        match m.kind {
-            MetricKind::Counter => m.value = m.value.wrapping_add(value),
-            MetricKind::Gauge => m.value = value,
-            MetricKind::Histogram => m.samples.push(value),
-        }
-        Ok(status::OK)
-    })?;
-    l.func_wrap("env", "proxy_get_metric", |mut c: C<'_>, id: i32, ptr: i32| -> R {
-        guard(&c, "proxy_get_metric")?;
-        let value = {
-            let inner = c.data().shared.lock();
-            let Some(m) = (id as u32 as usize).checked_sub(1).and_then(|i| inner.metrics.get(i)) else {
+            let Some(q) = inner.queues.by_token.get_mut(&(token as u32)) else {
                 return Ok(status::NOT_FOUND);
             };
-            if m.kind == MetricKind::Histogram {
+            q.items.push_back(value);
+            let ready = (q.owner_vm, q.owner_root, token as u32);
+            inner.queue_ready.push(ready);
+            Ok(status::OK)
+        },
+    )?;
+    l.func_wrap(
+        "env",
+        "proxy_dequeue_shared_queue",
+        |mut c: C<'_>, token: i32, ptr_ptr: i32, size_ptr: i32| -> R {
+            guard(&c, "proxy_dequeue_shared_queue")?;
+            let item = {
+                let mut inner = c.data().shared.lock();
+                let Some(q) = inner.queues.by_token.get_mut(&(token as u32)) else {
+                    return Ok(status::NOT_FOUND);
+                };
+                match q.items.pop_front() {
+                    Some(item) => item,
+                    None => return Ok(status::EMPTY),
+                }
+            };
+            copy_out(&mut c, &item, ptr_ptr, size_ptr)
+        },
+    )?;
+
+    // Metrics (process-wide in Envoy: every VM defining a name shares the stat).
+    l.func_wrap(
+        "env",
+        "proxy_define_metric",
+        |mut c: C<'_>, ty: i32, nptr: i32, nlen: i32, id_ptr: i32| -> R {
+            guard(&c, "proxy_define_metric")?;
+            let name = String::from_utf8_lossy(&read_or!(&mut c, nptr, nlen)).into_owned();
+            let Some(kind) = MetricKind::from_abi(ty) else {
                 return Ok(status::BAD_ARGUMENT);
+            };
+            let id = {
+                let mut inner = c.data().shared.lock();
+                match inner.metrics.iter().position(|m| m.name == name) {
+                    Some(i) if inner.metrics[i].kind == kind => i + 1,
+                    Some(_) => return Ok(status::BAD_ARGUMENT),
+                    None => {
+                        inner.metrics.push(Metric {
+                            name,
+                            kind,
+                            value: 0,
+                            samples: Vec::new(),
+                        });
+                        inner.metrics.len()
+                    }
+                }
+            };
+            if !write_u32(&mut c, id_ptr, id as u32)? {
+                return Ok(status::INVALID_MEMORY_ACCESS);
             }
-            m.value
-        };
-        if !write(&mut c, ptr, &value.to_le_bytes())? {
-            return Ok(status::INVALID_MEMORY_ACCESS);
-        }
-        Ok(status::OK)
-    })?;
+            Ok(status::OK)
+        },
+    )?;
+    l.func_wrap(
+        "env",
+        "proxy_increment_metric",
+        |c: C<'_>, id: i32, offset: i64| -> R {
+            guard(&c, "proxy_increment_metric")?;
+            let mut inner = c.data().shared.lock();
+            let Some(m) = (id as u32 as usize)
+                .checked_sub(1)
+                .and_then(|i| inner.metrics.get_mut(i))
+            else {
+                return Ok(status::NOT_FOUND);
+            };
+            match m.kind {
+                // Envoy counters only go up.
+                MetricKind::Counter if offset > 0 => m.value = m.value.wrapping_add(offset as u64),
+                MetricKind::Gauge => m.value = m.value.wrapping_add(offset as u64),
+                _ => return Ok(status::BAD_ARGUMENT),
+            }
+            Ok(status::OK)
+        },
+    )?;
+    l.func_wrap(
+        "env",
+        "proxy_record_metric",
+        |c: C<'_>, id: i32, value: i64| -> R {
+            guard(&c, "proxy_record_metric")?;
+            let mut inner = c.data().shared.lock();
+            let Some(m) = (id as u32 as usize)
+                .checked_sub(1)
+                .and_then(|i| inner.metrics.get_mut(i))
+            else {
+                return Ok(status::NOT_FOUND);
+            };
+            let value = value as u64;
+            match m.kind {
+                MetricKind::Counter => m.value = m.value.wrapping_add(value),
+                MetricKind::Gauge => m.value = value,
+                MetricKind::Histogram => m.samples.push(value),
+            }
+            Ok(status::OK)
+        },
+    )?;
+    l.func_wrap(
+        "env",
+        "proxy_get_metric",
+        |mut c: C<'_>, id: i32, ptr: i32| -> R {
+            guard(&c, "proxy_get_metric")?;
+            let value = {
+                let inner = c.data().shared.lock();
+                let Some(m) = (id as u32 as usize)
+                    .checked_sub(1)
+                    .and_then(|i| inner.metrics.get(i))
+                else {
+                    return Ok(status::NOT_FOUND);
+                };
+                if m.kind == MetricKind::Histogram {
+                    return Ok(status::BAD_ARGUMENT);
+                }
+                m.value
+            };
+            if !write(&mut c, ptr, &value.to_le_bytes())? {
+                return Ok(status::INVALID_MEMORY_ACCESS);
+            }
+            Ok(status::OK)
+        },
+    )?;
 
     // Streams.
-    l.func_wrap("env", "proxy_continue_stream", |mut c: C<'_>, stream: i32| -> R {
-        guard(&c, "proxy_continue_stream")?;
-        if !matches!(stream, abi::stream::REQUEST | abi::stream::RESPONSE) {
-            return Ok(status::BAD_ARGUMENT);
-        }
-        let s = c.data_mut();
-        let context = s.effective;
-        if s.contexts.contains_key(&context) {
-            s.deferred.push(Deferred::Continue { context, stream });
-        }
-        Ok(status::OK)
-    })?;
-    l.func_wrap("env", "proxy_close_stream", |mut c: C<'_>, stream: i32| -> R {
-        guard(&c, "proxy_close_stream")?;
-        if !matches!(stream, abi::stream::REQUEST | abi::stream::RESPONSE) {
-            return Ok(status::BAD_ARGUMENT);
-        }
-        let s = c.data_mut();
-        let context = s.effective;
-        if s.contexts.contains_key(&context) {
-            s.deferred.push(Deferred::Close { context, stream });
-        }
-        Ok(status::OK)
-    })?;
+    l.func_wrap(
+        "env",
+        "proxy_continue_stream",
+        |mut c: C<'_>, stream: i32| -> R {
+            guard(&c, "proxy_continue_stream")?;
+            if !matches!(stream, abi::stream::REQUEST | abi::stream::RESPONSE) {
+                return Ok(status::BAD_ARGUMENT);
+            }
+            let s = c.data_mut();
+            let context = s.effective;
+            if s.contexts.contains_key(&context) {
+                s.deferred.push(Deferred::Continue { context, stream });
+            }
+            Ok(status::OK)
+        },
+    )?;
+    l.func_wrap(
+        "env",
+        "proxy_close_stream",
+        |mut c: C<'_>, stream: i32| -> R {
+            guard(&c, "proxy_close_stream")?;
+            if !matches!(stream, abi::stream::REQUEST | abi::stream::RESPONSE) {
+                return Ok(status::BAD_ARGUMENT);
+            }
+            let s = c.data_mut();
+            let context = s.effective;
+            if s.contexts.contains_key(&context) {
+                s.deferred.push(Deferred::Close { context });
+            }
+            Ok(status::OK)
+        },
+    )?;
     l.func_wrap(
         "env",
         "proxy_send_local_response",
-        |mut c: C<'_>, code: i32, dptr: i32, dlen: i32, bptr: i32, blen: i32, hptr: i32, hlen: i32, grpc: i32| -> R {
+        |mut c: C<'_>,
+         code: i32,
+         dptr: i32,
+         dlen: i32,
+         bptr: i32,
+         blen: i32,
+         hptr: i32,
+         hlen: i32,
+         grpc: i32|
+         -> R {
             guard(&c, "proxy_send_local_response")?;
             let details = read_or!(&mut c, dptr, dlen);
             let body = read_or!(&mut c, bptr, blen);
@@ -704,14 +872,18 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             Ok(status::OK)
         },
     )?;
-    l.func_wrap("env", "proxy_get_status", |mut c: C<'_>, code_ptr: i32, ptr_ptr: i32, size_ptr: i32| -> R {
-        guard(&c, "proxy_get_status")?;
-        let (code, msg) = c.data().status.clone();
-        if !write_u32(&mut c, code_ptr, code)? {
-            return Ok(status::INVALID_MEMORY_ACCESS);
-        }
-        copy_out(&mut c, &msg, ptr_ptr, size_ptr)
-    })?;
+    l.func_wrap(
+        "env",
+        "proxy_get_status",
+        |mut c: C<'_>, code_ptr: i32, ptr_ptr: i32, size_ptr: i32| -> R {
+            guard(&c, "proxy_get_status")?;
+            let (code, msg) = c.data().status.clone();
+            if !write_u32(&mut c, code_ptr, code)? {
+                return Ok(status::INVALID_MEMORY_ACCESS);
+            }
+            copy_out(&mut c, &msg, ptr_ptr, size_ptr)
+        },
+    )?;
 
     // HTTP callouts.
     l.func_wrap(
@@ -734,13 +906,17 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             let headers = read_or!(&mut c, hptr, hlen);
             let body = read_or!(&mut c, bptr, blen);
             let trailers = read_or!(&mut c, tptr, tlen);
-            let (Some(headers), Some(trailers)) = (abi::deserialize_pairs(&headers), abi::deserialize_pairs(&trailers))
-            else {
+            let (Some(headers), Some(trailers)) = (
+                abi::deserialize_pairs(&headers),
+                abi::deserialize_pairs(&trailers),
+            ) else {
                 return Ok(status::SERIALIZATION_FAILURE);
             };
             // Envoy's Context::httpCall: the cluster must exist and these headers are required.
             if !c.data().shared.lock().clusters.contains_key(&cluster)
-                || ![":path", ":method", ":authority"].iter().all(|h| headers.contains(h))
+                || ![":path", ":method", ":authority"]
+                    .iter()
+                    .all(|h| headers.contains(h))
             {
                 return Ok(status::BAD_ARGUMENT);
             }
@@ -755,9 +931,13 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             }
             s.next_token = token;
             let timeout_ms = timeout_ms as u32;
-            let timeout = (timeout_ms > 0).then(|| std::time::Duration::from_millis(timeout_ms as u64));
+            let timeout =
+                (timeout_ms > 0).then(|| std::time::Duration::from_millis(timeout_ms as u64));
             let callout = Callout {
-                id: CalloutId { worker: s.worker, token },
+                id: CalloutId {
+                    worker: s.worker,
+                    token,
+                },
                 context_id: s.effective,
                 cluster,
                 headers,
@@ -768,7 +948,14 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             };
             let deadline_nanos = timeout.map(|t| now + t.as_nanos() as u64);
             s.shared.lock().callouts.push(callout.clone());
-            s.calls.insert(token, PendingCall { callout, deadline_nanos, consulted: false });
+            s.calls.insert(
+                token,
+                PendingCall {
+                    callout,
+                    deadline_nanos,
+                    consulted: false,
+                },
+            );
             if !write_u32(&mut c, token_ptr, token)? {
                 return Ok(status::INVALID_MEMORY_ACCESS);
             }
@@ -779,7 +966,20 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
     l.func_wrap(
         "env",
         "proxy_grpc_call",
-        |c: C<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32| -> R {
+        |c: C<'_>,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32|
+         -> R {
             guard(&c, "proxy_grpc_call")?;
             Ok(status::BAD_ARGUMENT)
         },
@@ -792,10 +992,14 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             Ok(status::BAD_ARGUMENT)
         },
     )?;
-    l.func_wrap("env", "proxy_grpc_send", |c: C<'_>, _: i32, _: i32, _: i32, _: i32| -> R {
-        guard(&c, "proxy_grpc_send")?;
-        Ok(status::NOT_FOUND)
-    })?;
+    l.func_wrap(
+        "env",
+        "proxy_grpc_send",
+        |c: C<'_>, _: i32, _: i32, _: i32, _: i32| -> R {
+            guard(&c, "proxy_grpc_send")?;
+            Ok(status::NOT_FOUND)
+        },
+    )?;
     l.func_wrap("env", "proxy_grpc_cancel", |c: C<'_>, _: i32| -> R {
         guard(&c, "proxy_grpc_cancel")?;
         Ok(status::NOT_FOUND)
@@ -806,16 +1010,20 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
     })?;
 
     // Contexts and foreign functions.
-    l.func_wrap("env", "proxy_set_effective_context", |mut c: C<'_>, id: i32| -> R {
-        guard(&c, "proxy_set_effective_context")?;
-        let s = c.data_mut();
-        let id = id as u32;
-        if id != s.root_id && !s.contexts.contains_key(&id) {
-            return Ok(status::BAD_ARGUMENT);
-        }
-        s.effective = id;
-        Ok(status::OK)
-    })?;
+    l.func_wrap(
+        "env",
+        "proxy_set_effective_context",
+        |mut c: C<'_>, id: i32| -> R {
+            guard(&c, "proxy_set_effective_context")?;
+            let s = c.data_mut();
+            let id = id as u32;
+            if id != s.root_id && !s.contexts.contains_key(&id) {
+                return Ok(status::BAD_ARGUMENT);
+            }
+            s.effective = id;
+            Ok(status::OK)
+        },
+    )?;
     l.func_wrap("env", "proxy_done", |c: C<'_>| -> R {
         guard(&c, "proxy_done")?;
         Ok(status::OK)
@@ -823,7 +1031,14 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
     l.func_wrap(
         "env",
         "proxy_call_foreign_function",
-        |mut c: C<'_>, nptr: i32, nlen: i32, aptr: i32, alen: i32, ptr_ptr: i32, size_ptr: i32| -> R {
+        |mut c: C<'_>,
+         nptr: i32,
+         nlen: i32,
+         aptr: i32,
+         alen: i32,
+         ptr_ptr: i32,
+         size_ptr: i32|
+         -> R {
             guard(&c, "proxy_call_foreign_function")?;
             let name = String::from_utf8_lossy(&read_or!(&mut c, nptr, nlen)).into_owned();
             let args = read_or!(&mut c, aptr, alen);
@@ -842,29 +1057,44 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
         },
     )?;
     // Linked by cpp-host for emscripten-built modules.
-    l.func_wrap("env", "pthread_equal", |_: C<'_>, a: i32, b: i32| -> i32 { (a == b) as i32 })?;
-    l.func_wrap("env", "emscripten_notify_memory_growth", |_: C<'_>, _: i32| {})?;
+    l.func_wrap("env", "pthread_equal", |_: C<'_>, a: i32, b: i32| -> i32 {
+        (a == b) as i32
+    })?;
+    l.func_wrap(
+        "env",
+        "emscripten_notify_memory_growth",
+        |_: C<'_>, _: i32| {},
+    )?;
     Ok(())
 }
 
 fn link_higress(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
-    l.func_wrap("env", "proxy_set_upstream_override_host", |mut c: C<'_>, ptr: i32, len: i32| -> R {
-        guard(&c, "proxy_set_upstream_override_host")?;
-        let host = read_or!(&mut c, ptr, len);
-        match c.data_mut().http() {
-            Some(ctx) => {
-                ctx.override_host = Some(host);
-                Ok(status::OK)
+    l.func_wrap(
+        "env",
+        "proxy_set_upstream_override_host",
+        |mut c: C<'_>, ptr: i32, len: i32| -> R {
+            guard(&c, "proxy_set_upstream_override_host")?;
+            let host = read_or!(&mut c, ptr, len);
+            match c.data_mut().http() {
+                Some(ctx) => {
+                    ctx.override_host = Some(host);
+                    Ok(status::OK)
+                }
+                None => Ok(status::BAD_ARGUMENT),
             }
-            None => Ok(status::BAD_ARGUMENT),
-        }
-    })?;
-    l.func_wrap("env", "proxy_get_upstream_hosts", |mut c: C<'_>, ptr_ptr: i32, size_ptr: i32| -> R {
-        guard(&c, "proxy_get_upstream_hosts")?;
-        let hosts = c.data().shared.lock().upstream_hosts.clone();
-        let bytes = abi::serialize_pairs(hosts.iter().map(|(a, i)| (a.as_bytes(), i.as_bytes())));
-        copy_out(&mut c, &bytes, ptr_ptr, size_ptr)
-    })?;
+        },
+    )?;
+    l.func_wrap(
+        "env",
+        "proxy_get_upstream_hosts",
+        |mut c: C<'_>, ptr_ptr: i32, size_ptr: i32| -> R {
+            guard(&c, "proxy_get_upstream_hosts")?;
+            let hosts = c.data().shared.lock().upstream_hosts.clone();
+            let bytes =
+                abi::serialize_pairs(hosts.iter().map(|(a, i)| (a.as_bytes(), i.as_bytes())));
+            copy_out(&mut c, &bytes, ptr_ptr, size_ptr)
+        },
+    )?;
     Ok(())
 }
 
@@ -879,32 +1109,48 @@ mod errno {
 
 fn link_wasi(l: &mut Linker<HostState>, m: &str) -> wasmtime::Result<()> {
     // stdout/stderr become log lines at info/error, as Envoy does.
-    l.func_wrap(m, "fd_write", |mut c: C<'_>, fd: i32, iovs: i32, iovs_len: i32, nwritten: i32| -> R {
-        let mut data = Vec::new();
-        for i in 0..iovs_len.max(0) {
-            let Some(iov) = read(&mut c, iovs.wrapping_add(i * 8), 8)? else { return Ok(errno::INVAL) };
-            let ptr = i32::from_le_bytes([iov[0], iov[1], iov[2], iov[3]]);
-            let len = i32::from_le_bytes([iov[4], iov[5], iov[6], iov[7]]);
-            let Some(bytes) = read(&mut c, ptr, len)? else { return Ok(errno::INVAL) };
-            data.extend_from_slice(&bytes);
-        }
-        let level = match fd {
-            1 => LogLevel::Info,
-            2 => LogLevel::Error,
-            _ => return Ok(errno::BADF),
-        };
-        let msg = String::from_utf8_lossy(&data);
-        let msg = msg.trim_end_matches('\n');
-        if !msg.is_empty() {
-            c.data_mut().log(level, msg.to_string());
-        }
-        if !write_u32(&mut c, nwritten, data.len() as u32)? {
-            return Ok(errno::INVAL);
-        }
-        Ok(errno::SUCCESS)
-    })?;
-    l.func_wrap(m, "fd_read", |_: C<'_>, _: i32, _: i32, _: i32, _: i32| -> i32 { errno::NOSYS })?;
-    l.func_wrap(m, "fd_seek", |_: C<'_>, _: i32, _: i64, _: i32, _: i32| -> i32 { errno::NOSYS })?;
+    l.func_wrap(
+        m,
+        "fd_write",
+        |mut c: C<'_>, fd: i32, iovs: i32, iovs_len: i32, nwritten: i32| -> R {
+            let mut data = Vec::new();
+            for i in 0..iovs_len.max(0) {
+                let Some(iov) = read(&mut c, iovs.wrapping_add(i * 8), 8)? else {
+                    return Ok(errno::INVAL);
+                };
+                let ptr = i32::from_le_bytes([iov[0], iov[1], iov[2], iov[3]]);
+                let len = i32::from_le_bytes([iov[4], iov[5], iov[6], iov[7]]);
+                let Some(bytes) = read(&mut c, ptr, len)? else {
+                    return Ok(errno::INVAL);
+                };
+                data.extend_from_slice(&bytes);
+            }
+            let level = match fd {
+                1 => LogLevel::Info,
+                2 => LogLevel::Error,
+                _ => return Ok(errno::BADF),
+            };
+            let msg = String::from_utf8_lossy(&data);
+            let msg = msg.trim_end_matches('\n');
+            if !msg.is_empty() {
+                c.data_mut().log(level, msg.to_string());
+            }
+            if !write_u32(&mut c, nwritten, data.len() as u32)? {
+                return Ok(errno::INVAL);
+            }
+            Ok(errno::SUCCESS)
+        },
+    )?;
+    l.func_wrap(
+        m,
+        "fd_read",
+        |_: C<'_>, _: i32, _: i32, _: i32, _: i32| -> i32 { errno::NOSYS },
+    )?;
+    l.func_wrap(
+        m,
+        "fd_seek",
+        |_: C<'_>, _: i32, _: i64, _: i32, _: i32| -> i32 { errno::NOSYS },
+    )?;
     l.func_wrap(m, "fd_close", |_: C<'_>, _: i32| -> i32 { errno::NOSYS })?;
     l.func_wrap(m, "fd_fdstat_get", |mut c: C<'_>, fd: i32, ptr: i32| -> R {
         if !(0..=2).contains(&fd) {
@@ -915,62 +1161,102 @@ fn link_wasi(l: &mut Linker<HostState>, m: &str) -> wasmtime::Result<()> {
         stat[0] = 2;
         stat[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
         stat[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
-        Ok(if write(&mut c, ptr, &stat)? { errno::SUCCESS } else { errno::INVAL })
+        Ok(if write(&mut c, ptr, &stat)? {
+            errno::SUCCESS
+        } else {
+            errno::INVAL
+        })
     })?;
-    l.func_wrap(m, "environ_sizes_get", |mut c: C<'_>, count_ptr: i32, size_ptr: i32| -> R {
-        let env = c.data().opts.env.clone();
-        let size: usize = env.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
-        if !write_u32(&mut c, count_ptr, env.len() as u32)? || !write_u32(&mut c, size_ptr, size as u32)? {
-            return Ok(errno::INVAL);
-        }
-        Ok(errno::SUCCESS)
-    })?;
+    l.func_wrap(
+        m,
+        "environ_sizes_get",
+        |mut c: C<'_>, count_ptr: i32, size_ptr: i32| -> R {
+            let env = c.data().opts.env.clone();
+            let size: usize = env.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
+            if !write_u32(&mut c, count_ptr, env.len() as u32)?
+                || !write_u32(&mut c, size_ptr, size as u32)?
+            {
+                return Ok(errno::INVAL);
+            }
+            Ok(errno::SUCCESS)
+        },
+    )?;
     l.func_wrap(m, "environ_get", |mut c: C<'_>, ptrs: i32, buf: i32| -> R {
         let env = c.data().opts.env.clone();
         let mut at = buf;
         for (i, (k, v)) in env.iter().enumerate() {
             let entry = format!("{k}={v}\0");
-            if !write_u32(&mut c, ptrs + 4 * i as i32, at as u32)? || !write(&mut c, at, entry.as_bytes())? {
+            if !write_u32(&mut c, ptrs + 4 * i as i32, at as u32)?
+                || !write(&mut c, at, entry.as_bytes())?
+            {
                 return Ok(errno::INVAL);
             }
             at += entry.len() as i32;
         }
         Ok(errno::SUCCESS)
     })?;
-    l.func_wrap(m, "args_sizes_get", |mut c: C<'_>, count_ptr: i32, size_ptr: i32| -> R {
-        if !write_u32(&mut c, count_ptr, 0)? || !write_u32(&mut c, size_ptr, 0)? {
-            return Ok(errno::INVAL);
-        }
-        Ok(errno::SUCCESS)
+    l.func_wrap(
+        m,
+        "args_sizes_get",
+        |mut c: C<'_>, count_ptr: i32, size_ptr: i32| -> R {
+            if !write_u32(&mut c, count_ptr, 0)? || !write_u32(&mut c, size_ptr, 0)? {
+                return Ok(errno::INVAL);
+            }
+            Ok(errno::SUCCESS)
+        },
+    )?;
+    l.func_wrap(m, "args_get", |_: C<'_>, _: i32, _: i32| -> i32 {
+        errno::SUCCESS
     })?;
-    l.func_wrap(m, "args_get", |_: C<'_>, _: i32, _: i32| -> i32 { errno::SUCCESS })?;
     // Both clocks follow the test clock.
-    l.func_wrap(m, "clock_time_get", |mut c: C<'_>, id: i32, _precision: i64, ptr: i32| -> R {
-        if !(0..=1).contains(&id) {
-            return Ok(errno::INVAL);
-        }
-        let now = c.data().now();
-        Ok(if write(&mut c, ptr, &now.to_le_bytes())? { errno::SUCCESS } else { errno::INVAL })
-    })?;
+    l.func_wrap(
+        m,
+        "clock_time_get",
+        |mut c: C<'_>, id: i32, _precision: i64, ptr: i32| -> R {
+            if !(0..=1).contains(&id) {
+                return Ok(errno::INVAL);
+            }
+            let now = c.data().now();
+            Ok(if write(&mut c, ptr, &now.to_le_bytes())? {
+                errno::SUCCESS
+            } else {
+                errno::INVAL
+            })
+        },
+    )?;
     l.func_wrap(m, "random_get", |mut c: C<'_>, ptr: i32, len: i32| -> R {
         let mut bytes = Vec::with_capacity(len.max(0) as usize);
         while bytes.len() < len.max(0) as usize {
             bytes.extend_from_slice(&c.data_mut().next_random().to_le_bytes());
         }
         bytes.truncate(len.max(0) as usize);
-        Ok(if write(&mut c, ptr, &bytes)? { errno::SUCCESS } else { errno::INVAL })
-    })?;
-    l.func_wrap(m, "proc_exit", |_: C<'_>, code: i32| -> wasmtime::Result<()> {
-        wasmtime::bail!("proc_exit({code})")
+        Ok(if write(&mut c, ptr, &bytes)? {
+            errno::SUCCESS
+        } else {
+            errno::INVAL
+        })
     })?;
     l.func_wrap(
         m,
+        "proc_exit",
+        |_: C<'_>, code: i32| -> wasmtime::Result<()> { wasmtime::bail!("proc_exit({code})") },
+    )?;
+    l.func_wrap(
+        m,
         "path_open",
-        |_: C<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i64, _: i64, _: i32, _: i32| -> i32 { errno::NOENT },
+        |_: C<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i64, _: i64, _: i32, _: i32| -> i32 {
+            errno::NOENT
+        },
     )?;
     // No preopened directories.
-    l.func_wrap(m, "fd_prestat_get", |_: C<'_>, _: i32, _: i32| -> i32 { errno::BADF })?;
-    l.func_wrap(m, "fd_prestat_dir_name", |_: C<'_>, _: i32, _: i32, _: i32| -> i32 { errno::BADF })?;
+    l.func_wrap(m, "fd_prestat_get", |_: C<'_>, _: i32, _: i32| -> i32 {
+        errno::BADF
+    })?;
+    l.func_wrap(
+        m,
+        "fd_prestat_dir_name",
+        |_: C<'_>, _: i32, _: i32, _: i32| -> i32 { errno::BADF },
+    )?;
     Ok(())
 }
 
@@ -979,12 +1265,18 @@ pub(crate) fn check_imports(module: &Module, mode: Mode) -> Result<(), HostError
     for import in module.imports() {
         let (m, n) = (import.module(), import.name());
         let known = match m {
-            "env" => abi::ENV_IMPORTS.contains(&n) || (mode == Mode::Higress && abi::HIGRESS_IMPORTS.contains(&n)),
+            "env" => {
+                abi::ENV_IMPORTS.contains(&n)
+                    || (mode == Mode::Higress && abi::HIGRESS_IMPORTS.contains(&n))
+            }
             _ if abi::WASI_MODULES.contains(&m) => abi::WASI_IMPORTS.contains(&n),
             _ => false,
         };
         if !known {
-            return Err(HostError::UnknownImport { module: m.to_string(), name: n.to_string() });
+            return Err(HostError::UnknownImport {
+                module: m.to_string(),
+                name: n.to_string(),
+            });
         }
     }
     Ok(())
@@ -1052,7 +1344,6 @@ pub(crate) struct Called<T> {
 pub(crate) struct Vm {
     pub store: Store<HostState>,
     exports: Exports,
-    pub abi: Abi,
     next_context: u32,
 }
 
@@ -1062,10 +1353,9 @@ fn typed<P: wasmtime::WasmParams, Rs: wasmtime::WasmResults>(
     name: &str,
 ) -> Result<Option<TypedFunc<P, Rs>>, HostError> {
     match instance.get_export(&mut *store, name) {
-        Some(Extern::Func(f)) => f
-            .typed::<P, Rs>(&*store)
-            .map(Some)
-            .map_err(|e| HostError::Instantiate(format!("export {name} has the wrong signature: {e}"))),
+        Some(Extern::Func(f)) => f.typed::<P, Rs>(&*store).map(Some).map_err(|e| {
+            HostError::Instantiate(format!("export {name} has the wrong signature: {e}"))
+        }),
         _ => Ok(None),
     }
 }
@@ -1074,13 +1364,11 @@ impl Vm {
     /// Instantiates the module and runs Envoy's start sequence: `_initialize` (then `main`),
     /// root context creation, `proxy_on_vm_start`, `proxy_on_configure`.
     pub fn start(
-        engine: &Engine,
         module: &Module,
         linker: &Linker<HostState>,
         opts: Arc<HostOptions>,
         shared: Shared,
         worker: usize,
-        abi: Abi,
     ) -> Result<Vm, HostError> {
         let clock_origin = crate::gateway::CLOCK_ORIGIN_NANOS;
         let state = HostState {
@@ -1105,20 +1393,24 @@ impl Vm {
             last_critical: None,
             clock_origin,
         };
-        let _ = engine;
         let mut store = Store::new(module.engine(), state);
         if opts.fuel {
-            store.set_fuel(FUEL_PER_CALL).map_err(|e| HostError::Instantiate(e.to_string()))?;
+            store
+                .set_fuel(opts.fuel_per_call)
+                .map_err(|e| HostError::Instantiate(e.to_string()))?;
         }
-        let instance =
-            linker.instantiate(&mut store, module).map_err(|e| HostError::Instantiate(format!("{e:?}")))?;
+        let instance = linker
+            .instantiate(&mut store, module)
+            .map_err(|e| HostError::Instantiate(format!("{e:?}")))?;
         let memory = instance.get_memory(&mut store, "memory");
         let mut alloc = typed::<i32, i32>(&mut store, &instance, "malloc")?;
         if alloc.is_none() {
             alloc = typed::<i32, i32>(&mut store, &instance, "proxy_on_memory_allocate")?;
         }
         if alloc.is_none() {
-            return Err(HostError::Instantiate("Wasm module is missing malloc function.".into()));
+            return Err(HostError::Instantiate(
+                "Wasm module is missing malloc function.".into(),
+            ));
         }
         store.data_mut().memory = memory;
         store.data_mut().alloc = alloc;
@@ -1145,7 +1437,11 @@ impl Vm {
             on_log: typed(s, i, "proxy_on_log")?,
             on_delete: typed(s, i, "proxy_on_delete")?,
         };
-        let mut vm = Vm { store, exports, abi, next_context: 2 };
+        let mut vm = Vm {
+            store,
+            exports,
+            next_context: 2,
+        };
         vm.store.data_mut().restricted = true;
         let init = if let Some(f) = vm.exports.initialize.clone() {
             let r = vm.call("_initialize", 0, |s| f.call(s, ()));
@@ -1162,17 +1458,27 @@ impl Vm {
         init?;
         let root = vm.store.data().root_id as i32;
         if let Some(f) = vm.exports.on_context_create.clone() {
-            vm.call("proxy_on_context_create", root as u32, |s| f.call(s, (root, 0)))?;
+            vm.call("proxy_on_context_create", root as u32, |s| {
+                f.call(s, (root, 0))
+            })?;
         }
         if let Some(f) = vm.exports.on_vm_start.clone() {
             let n = opts.vm_config.len() as i32;
-            if vm.call("proxy_on_vm_start", root as u32, |s| f.call(s, (root, n)))?.value == 0 {
+            if vm
+                .call("proxy_on_vm_start", root as u32, |s| f.call(s, (root, n)))?
+                .value
+                == 0
+            {
                 return Err(HostError::VmStartFailed);
             }
         }
         if let Some(f) = vm.exports.on_configure.clone() {
             let n = opts.plugin_config.len() as i32;
-            if vm.call("proxy_on_configure", root as u32, |s| f.call(s, (root, n)))?.value == 0 {
+            if vm
+                .call("proxy_on_configure", root as u32, |s| f.call(s, (root, n)))?
+                .value
+                == 0
+            {
                 return Err(HostError::ConfigurationRejected);
             }
         }
@@ -1187,13 +1493,18 @@ impl Vm {
         f: impl FnOnce(&mut Store<HostState>) -> wasmtime::Result<T>,
     ) -> Result<Called<T>, HostError> {
         let fuel_on = self.store.data().opts.fuel;
+        let budget = self.store.data().opts.fuel_per_call;
         if fuel_on {
-            let _ = self.store.set_fuel(FUEL_PER_CALL);
+            let _ = self.store.set_fuel(budget);
         }
         self.store.data_mut().effective = effective;
         self.store.data_mut().last_critical = None;
         let result = f(&mut self.store);
-        let fuel = if fuel_on { FUEL_PER_CALL - self.store.get_fuel().unwrap_or(FUEL_PER_CALL) } else { 0 };
+        let fuel = if fuel_on {
+            budget - self.store.get_fuel().unwrap_or(budget)
+        } else {
+            0
+        };
         match result {
             Ok(value) => Ok(Called { value, fuel }),
             Err(e) => {
@@ -1201,7 +1512,10 @@ impl Vm {
                 if let Some(panic) = self.store.data_mut().last_critical.take() {
                     message = format!("{panic}\n{message}");
                 }
-                Err(HostError::Trap { callback: name.to_string(), message })
+                Err(HostError::Trap {
+                    callback: name.to_string(),
+                    message,
+                })
             }
         }
     }
@@ -1211,17 +1525,25 @@ impl Vm {
     }
 
     /// Creates an HTTP context (`proxy_on_context_create(id, root)`).
-    pub fn create_http_context(&mut self, given: HashMap<Vec<String>, Vec<u8>>) -> Result<(u32, u64), (u32, HostError)> {
+    pub fn create_http_context(
+        &mut self,
+        given: HashMap<Vec<String>, Vec<u8>>,
+    ) -> Result<(u32, u64), (u32, HostError)> {
         let id = self.next_context;
         self.next_context += 1;
-        self.store
-            .data_mut()
-            .contexts
-            .insert(id, HttpCtx { given_properties: given, ..HttpCtx::default() });
+        self.store.data_mut().contexts.insert(
+            id,
+            HttpCtx {
+                given_properties: given,
+                ..HttpCtx::default()
+            },
+        );
         let root = self.root_id() as i32;
         match self.exports.on_context_create.clone() {
             Some(f) => self
-                .call("proxy_on_context_create", id, |s| f.call(s, (id as i32, root)))
+                .call("proxy_on_context_create", id, |s| {
+                    f.call(s, (id as i32, root))
+                })
                 .map(|c| (id, c.fuel))
                 .map_err(|e| (id, e)),
             None => Ok((id, 0)),
@@ -1229,16 +1551,40 @@ impl Vm {
     }
 
     /// A header/body/trailer callback; a missing export means `Continue`.
-    pub fn on_stream_event(&mut self, event: StreamEvent, ctx: u32, a: i32, b: i32) -> Result<Called<i32>, HostError> {
+    pub fn on_stream_event(
+        &mut self,
+        event: StreamEvent,
+        ctx: u32,
+        a: i32,
+        b: i32,
+    ) -> Result<Called<i32>, HostError> {
         let ctx_i = ctx as i32;
         let e = &self.exports;
         let (name, f3, f2) = match event {
-            StreamEvent::RequestHeaders => ("proxy_on_request_headers", e.on_request_headers.clone(), None),
+            StreamEvent::RequestHeaders => (
+                "proxy_on_request_headers",
+                e.on_request_headers.clone(),
+                None,
+            ),
             StreamEvent::RequestBody => ("proxy_on_request_body", e.on_request_body.clone(), None),
-            StreamEvent::RequestTrailers => ("proxy_on_request_trailers", None, e.on_request_trailers.clone()),
-            StreamEvent::ResponseHeaders => ("proxy_on_response_headers", e.on_response_headers.clone(), None),
-            StreamEvent::ResponseBody => ("proxy_on_response_body", e.on_response_body.clone(), None),
-            StreamEvent::ResponseTrailers => ("proxy_on_response_trailers", None, e.on_response_trailers.clone()),
+            StreamEvent::RequestTrailers => (
+                "proxy_on_request_trailers",
+                None,
+                e.on_request_trailers.clone(),
+            ),
+            StreamEvent::ResponseHeaders => (
+                "proxy_on_response_headers",
+                e.on_response_headers.clone(),
+                None,
+            ),
+            StreamEvent::ResponseBody => {
+                ("proxy_on_response_body", e.on_response_body.clone(), None)
+            }
+            StreamEvent::ResponseTrailers => (
+                "proxy_on_response_trailers",
+                None,
+                e.on_response_trailers.clone(),
+            ),
         };
         if let Some(f) = f3 {
             self.call(name, ctx, |s| f.call(s, (ctx_i, a, b)))
@@ -1255,16 +1601,22 @@ impl Vm {
         let mut fuel = 0;
         let mut result = Ok(());
         if let Some(f) = self.exports.on_log.clone() {
-            result = self.call("proxy_on_log", ctx, |s| f.call(s, c)).map(|r| fuel += r.fuel);
+            result = self
+                .call("proxy_on_log", ctx, |s| f.call(s, c))
+                .map(|r| fuel += r.fuel);
         }
         if result.is_ok() {
             if let Some(f) = self.exports.on_done.clone() {
-                result = self.call("proxy_on_done", ctx, |s| f.call(s, c)).map(|r| fuel += r.fuel);
+                result = self
+                    .call("proxy_on_done", ctx, |s| f.call(s, c))
+                    .map(|r| fuel += r.fuel);
             }
         }
         if result.is_ok() {
             if let Some(f) = self.exports.on_delete.clone() {
-                result = self.call("proxy_on_delete", ctx, |s| f.call(s, c)).map(|r| fuel += r.fuel);
+                result = self
+                    .call("proxy_on_delete", ctx, |s| f.call(s, c))
+                    .map(|r| fuel += r.fuel);
             }
         }
         let s = self.store.data_mut();
@@ -1277,7 +1629,9 @@ impl Vm {
     pub fn on_tick(&mut self) -> Result<u64, HostError> {
         let root = self.root_id();
         match self.exports.on_tick.clone() {
-            Some(f) => self.call("proxy_on_tick", root, |s| f.call(s, root as i32)).map(|c| c.fuel),
+            Some(f) => self
+                .call("proxy_on_tick", root, |s| f.call(s, root as i32))
+                .map(|c| c.fuel),
             None => Ok(0),
         }
     }
@@ -1285,19 +1639,27 @@ impl Vm {
     pub fn on_queue_ready(&mut self, root: u32, token: u32) -> Result<u64, HostError> {
         match self.exports.on_queue_ready.clone() {
             Some(f) => self
-                .call("proxy_on_queue_ready", root, |s| f.call(s, (root as i32, token as i32)))
+                .call("proxy_on_queue_ready", root, |s| {
+                    f.call(s, (root as i32, token as i32))
+                })
                 .map(|c| c.fuel),
             None => Ok(0),
         }
     }
 
-    pub fn on_foreign_function(&mut self, function_id: u32, args: Vec<u8>) -> Result<u64, HostError> {
+    pub fn on_foreign_function(
+        &mut self,
+        function_id: u32,
+        args: Vec<u8>,
+    ) -> Result<u64, HostError> {
         let root = self.root_id();
         let n = args.len() as i32;
         self.store.data_mut().call_data = Some(args);
         let r = match self.exports.on_foreign_function.clone() {
             Some(f) => self
-                .call("proxy_on_foreign_function", root, |s| f.call(s, (root as i32, function_id as i32, n)))
+                .call("proxy_on_foreign_function", root, |s| {
+                    f.call(s, (root as i32, function_id as i32, n))
+                })
                 .map(|c| c.fuel),
             None => Ok(0),
         };
@@ -1313,7 +1675,11 @@ impl Vm {
         response: Option<CallResponse>,
     ) -> Result<u64, HostError> {
         let (nh, nb, nt) = match &response {
-            Some(r) => (r.headers.len() as i32, r.body.len() as i32, r.trailers.len() as i32),
+            Some(r) => (
+                r.headers.len() as i32,
+                r.body.len() as i32,
+                r.trailers.len() as i32,
+            ),
             None => (0, 0, 0),
         };
         if response.is_none() {
