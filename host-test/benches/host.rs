@@ -52,14 +52,24 @@ pub fn bench_case(prompt_tokens: usize, index_keys: usize) -> Case {
         .allow_on_headers_stop_iteration(true)
         .build()
         .expect("fixture_bench loads");
-    let tokens: Vec<u32> = (0..prompt_tokens as u32).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect();
+    let tokens: Vec<u32> = (0..prompt_tokens as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 150_000)
+        .collect();
     let hashes = block_hashes(&tokens);
     let indexed = hashes.len() / 2;
-    let hits = hashes[..indexed].iter().map(|h| (format!("blk:{h:016x}"), b"10.0.0.7:8000".to_vec()));
-    let fillers = (0..index_keys.saturating_sub(indexed)).map(|i| (format!("blk:f{i:015x}"), vec![0u8; 13]));
+    let hits = hashes[..indexed]
+        .iter()
+        .map(|h| (format!("blk:{h:016x}"), b"10.0.0.7:8000".to_vec()));
+    let fillers =
+        (0..index_keys.saturating_sub(indexed)).map(|i| (format!("blk:f{i:015x}"), vec![0u8; 13]));
     gw.prefill_shared_data(hits.chain(fillers));
-    let body = serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": tokens})).expect("json");
-    let name = format!("fixture_bench_{}k_tokens_{}_keys", prompt_tokens / 1024, human(index_keys));
+    let body =
+        serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": tokens})).expect("json");
+    let name = format!(
+        "fixture_bench_{}k_tokens_{}_keys",
+        prompt_tokens / 1024,
+        human(index_keys)
+    );
     Case { name, gw, body }
 }
 
@@ -74,12 +84,24 @@ fn human(n: usize) -> String {
 /// Benches one case and prints its fuel per request.
 pub fn run_case(c: &mut Criterion, mut case: Case) {
     let body = case.body.clone();
-    let run = bench::run(&mut case.gw, 5, |_, r| r.header("content-type", "application/json").body(body.clone()))
-        .expect("requests complete");
-    eprintln!("host::request/{}: fuel/request {}", case.name, run.fuel_per_request());
+    let run = bench::run(&mut case.gw, 5, |_, r| {
+        r.header("content-type", "application/json")
+            .body(body.clone())
+    })
+    .expect("requests complete");
+    eprintln!(
+        "host::request/{}: fuel/request {}",
+        case.name,
+        run.fuel_per_request()
+    );
     c.bench_function(&format!("host::request/{}", case.name), |b| {
         b.iter(|| {
-            let r = case.gw.request().header("content-type", "application/json").body(body.clone()).send();
+            let r = case
+                .gw
+                .request()
+                .header("content-type", "application/json")
+                .body(body.clone())
+                .send();
             black_box(r.state)
         })
     });
@@ -88,18 +110,34 @@ pub fn run_case(c: &mut Criterion, mut case: Case) {
 pub fn request(c: &mut Criterion) {
     let mut floor = Gateway::load(module("fixture_probe"), "").expect("probe loads");
     let run = bench::run(&mut floor, 5, |_, r| r).expect("requests complete");
-    eprintln!("host::request/probe_headers_only: fuel/request {}", run.fuel_per_request());
-    c.bench_function("host::request/probe_headers_only", |b| b.iter(|| black_box(floor.request().send().state)));
+    eprintln!(
+        "host::request/probe_headers_only: fuel/request {}",
+        run.fuel_per_request()
+    );
+    c.bench_function("host::request/probe_headers_only", |b| {
+        b.iter(|| black_box(floor.request().send().state))
+    });
 
-    for (tokens, keys) in [(1024, 10_000), (8192, 10_000), (32_768, 10_000), (8192, 1_000_000)] {
+    for (tokens, keys) in [
+        (1024, 10_000),
+        (8192, 10_000),
+        (32_768, 10_000),
+        (8192, 1_000_000),
+    ] {
         let case = bench_case(tokens, keys);
         // Sanity: the fixture found the indexed half of the prompt.
         let r = {
             let mut gw = bench_case(tokens, 0).gw;
             let body = case.body.clone();
-            gw.request().header("content-type", "application/json").body(body).send()
+            gw.request()
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
         };
-        assert_eq!(r.header("x-match-blocks"), Some((tokens / BLOCK_TOKENS / 2).to_string().as_str()));
+        assert_eq!(
+            r.header("x-match-blocks"),
+            Some((tokens / BLOCK_TOKENS / 2).to_string().as_str())
+        );
         run_case(c, case);
     }
 }

@@ -11,6 +11,7 @@ pub(crate) mod status {
     pub const NOT_FOUND: i32 = 1;
     pub const BAD_ARGUMENT: i32 = 2;
     pub const SERIALIZATION_FAILURE: i32 = 3;
+    pub const PARSE_FAILURE: i32 = 4;
     pub const INVALID_MEMORY_ACCESS: i32 = 6;
     pub const EMPTY: i32 = 7;
     pub const CAS_MISMATCH: i32 = 8;

@@ -1468,8 +1468,12 @@ impl Gateway {
             st.state = StreamState::Failed(error.clone());
         }
         // A stream that was finishing fails in its own on_log/on_done: it is still mapped.
-        let finishing: Vec<RequestId> =
-            self.by_ctx.iter().filter(|((w, _), _)| *w == worker).map(|(_, id)| *id).collect();
+        let finishing: Vec<RequestId> = self
+            .by_ctx
+            .iter()
+            .filter(|((w, _), _)| *w == worker)
+            .map(|(_, id)| *id)
+            .collect();
         for id in finishing {
             if let Some(st) = self.streams.get_mut(&id) {
                 st.state = StreamState::Failed(error.clone());

@@ -59,7 +59,7 @@
 //!   [`Gateway::reply`]. A callout with a timeout that is still pending when the test clock
 //!   passes its deadline gets what Envoy's router sends: `504` with body
 //!   `upstream request timeout`. [`CalloutReply::Reset`] is a failure (0 headers). gRPC
-//!   hostcalls are linked but no gRPC cluster exists (`BadArgument`).
+//!   hostcalls are linked but no gRPC cluster exists (`ParseFailure`).
 //! - **Time**: one test clock, starting at 2026-01-01T00:00:00Z, read by
 //!   `proxy_get_current_time_nanoseconds` and WASI `clock_time_get`; it moves only with
 //!   [`Gateway::advance`], which fires ticks and callout timeouts in time order. WASI

@@ -60,7 +60,9 @@ pub(crate) enum Deferred {
         stream: i32,
     },
     /// Either direction: Envoy resets the whole stream.
-    Close { context: u32 },
+    Close {
+        context: u32,
+    },
     Local {
         context: u32,
         response: LocalResponse,
@@ -104,6 +106,8 @@ pub(crate) struct HostState {
     pub status: (u32, Vec<u8>),
     rng: u64,
     pub last_critical: Option<String>,
+    /// Partial lines written to stdout and stderr.
+    fd_lines: [Vec<u8>; 2],
     /// Test-clock origin, to report callouts' dispatch times.
     pub clock_origin: u64,
 }
@@ -962,7 +966,8 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
             Ok(status::OK)
         },
     )?;
-    // gRPC is linked (Envoy links it) but no gRPC cluster exists here.
+    // gRPC is linked (Envoy links it) but no gRPC cluster exists here: ParseFailure, what
+    // Envoy answers for a service it cannot resolve (and what the SDK expects).
     l.func_wrap(
         "env",
         "proxy_grpc_call",
@@ -981,7 +986,7 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
          _: i32|
          -> R {
             guard(&c, "proxy_grpc_call")?;
-            Ok(status::BAD_ARGUMENT)
+            Ok(status::PARSE_FAILURE)
         },
     )?;
     l.func_wrap(
@@ -989,7 +994,7 @@ fn link_env(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
         "proxy_grpc_stream",
         |c: C<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32| -> R {
             guard(&c, "proxy_grpc_stream")?;
-            Ok(status::BAD_ARGUMENT)
+            Ok(status::PARSE_FAILURE)
         },
     )?;
     l.func_wrap(
@@ -1130,10 +1135,16 @@ fn link_wasi(l: &mut Linker<HostState>, m: &str) -> wasmtime::Result<()> {
                 2 => LogLevel::Error,
                 _ => return Ok(errno::BADF),
             };
-            let msg = String::from_utf8_lossy(&data);
-            let msg = msg.trim_end_matches('\n');
-            if !msg.is_empty() {
-                c.data_mut().log(level, msg.to_string());
+            // Unbuffered stderr arrives in pieces: log whole lines.
+            let pending = &mut c.data_mut().fd_lines[(fd - 1) as usize];
+            pending.extend_from_slice(&data);
+            let mut complete = Vec::new();
+            while let Some(nl) = pending.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=nl).collect();
+                complete.push(String::from_utf8_lossy(&line[..line.len() - 1]).into_owned());
+            }
+            for line in complete {
+                c.data_mut().log(level, line);
             }
             if !write_u32(&mut c, nwritten, data.len() as u32)? {
                 return Ok(errno::INVAL);
@@ -1391,6 +1402,7 @@ impl Vm {
             status: (0, Vec::new()),
             rng: 0x5eed_0000 + worker as u64,
             last_critical: None,
+            fd_lines: Default::default(),
             clock_origin,
         };
         let mut store = Store::new(module.engine(), state);

@@ -10,7 +10,12 @@ use crate::support::*;
 #[test]
 fn a_closure_answers_and_the_request_resumes() {
     let mut gw = probe("");
-    gw.cluster("c", |call| CalloutReply::Response(Response::ok(format!("pong:{}", String::from_utf8_lossy(&call.body)))));
+    gw.cluster("c", |call| {
+        CalloutReply::Response(Response::ok(format!(
+            "pong:{}",
+            String::from_utf8_lossy(&call.body)
+        )))
+    });
     let r = gw.request().header("x-cmd", "call:c:100:/v1/q").send();
     assert_eq!(r.state, StreamState::Complete);
     assert_eq!(r.header("x-out-call-status"), Some("200"));
@@ -18,7 +23,10 @@ fn a_closure_answers_and_the_request_resumes() {
     let calls = gw.callouts();
     assert_eq!(calls.len(), 1);
     let c = &calls[0];
-    assert_eq!((c.cluster.as_str(), c.method(), c.path()), ("c", "POST", "/v1/q"));
+    assert_eq!(
+        (c.cluster.as_str(), c.method(), c.path()),
+        ("c", "POST", "/v1/q")
+    );
     assert_eq!(c.headers.get("x-from"), Some("probe"));
     assert_eq!(c.timeout, Some(Duration::from_millis(100)));
     assert_eq!(c.context_id, r.context_id);
@@ -29,7 +37,10 @@ fn a_closure_answers_and_the_request_resumes() {
 fn unknown_clusters_and_missing_pseudo_headers_are_bad_arguments() {
     let mut gw = probe("");
     gw.cluster("c", |_| CalloutReply::Response(Response::ok("")));
-    let r = gw.request().header("x-cmd", "call:nope:100;badcall:c").send();
+    let r = gw
+        .request()
+        .header("x-cmd", "call:nope:100;badcall:c")
+        .send();
     assert_eq!(r.header("x-out-call"), Some("err:BadArgument"));
     assert_eq!(r.header("x-out-badcall"), Some("Err(BadArgument)"));
     assert!(gw.callouts().is_empty());
@@ -46,14 +57,20 @@ fn manual_callouts_wait_for_the_test() {
     assert_eq!(pending[0].timeout, None);
     gw.advance(Duration::from_secs(3600));
     assert!(gw.outcome(id).paused(), "no timeout, no answer");
-    let reply = Response::new(201).header("x-a", "b").body("late").trailer("t", "1");
+    let reply = Response::new(201)
+        .header("x-a", "b")
+        .body("late")
+        .trailer("t", "1");
     assert!(gw.reply(pending[0].id, CalloutReply::Response(reply)));
     let r = gw.outcome(id);
     assert_eq!(r.state, StreamState::Complete);
     assert_eq!(r.header("x-out-call-status"), Some("201"));
     assert_eq!(r.header("x-out-call-headers"), Some("2"));
     assert!(gw.log_contains("call response 1 201 2 4 1"));
-    assert!(!gw.reply(pending[0].id, CalloutReply::Reset), "already answered");
+    assert!(
+        !gw.reply(pending[0].id, CalloutReply::Reset),
+        "already answered"
+    );
 }
 
 #[test]
@@ -67,7 +84,10 @@ fn a_callout_times_out_on_the_test_clock() {
     let r = gw.outcome(id);
     assert_eq!(r.state, StreamState::Complete);
     assert_eq!(r.header("x-out-call-status"), Some("504"));
-    assert_eq!(r.header("x-out-call-body"), Some("upstream request timeout"));
+    assert_eq!(
+        r.header("x-out-call-body"),
+        Some("upstream request timeout")
+    );
 }
 
 #[test]
@@ -87,7 +107,10 @@ fn a_reset_is_a_failed_call() {
     let r = gw.request().header("x-cmd", "call:c:100").send();
     assert_eq!(r.header("x-out-call-status"), Some("none"));
     assert_eq!(r.header("x-out-call-headers"), Some("0"));
-    assert_eq!(r.header("x-out-call-grpc-status"), Some("(11, Some(\"reset\"))"));
+    assert_eq!(
+        r.header("x-out-call-grpc-status"),
+        Some("(11, Some(\"reset\"))")
+    );
 }
 
 #[test]
@@ -125,11 +148,16 @@ fn forwarded_to_a_loopback_server() {
         reader.read_exact(&mut body).unwrap();
         tx.send((request_line, body)).unwrap();
         let mut stream = stream;
-        stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-server: yes\r\n\r\nhello").unwrap();
+        stream
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-server: yes\r\n\r\nhello")
+            .unwrap();
     });
     let mut gw = probe("");
     gw.cluster_forward("up", addr);
-    let r = gw.request().header("x-cmd", "call:up:5000:/v1/feed?since=3").send();
+    let r = gw
+        .request()
+        .header("x-cmd", "call:up:5000:/v1/feed?since=3")
+        .send();
     server.join().unwrap();
     let (request_line, body) = rx.recv().unwrap();
     assert_eq!(request_line.trim_end(), "POST /v1/feed?since=3 HTTP/1.1");
@@ -180,5 +208,8 @@ fn a_root_callout_times_out_too() {
     gw.advance(Duration::from_millis(1000));
     assert_eq!(gw.pending_callouts().len(), 1);
     gw.advance(Duration::from_millis(50));
-    assert_eq!(gw.shared_data("tick_call").unwrap().0, b"504:3:upstream request timeout");
+    assert_eq!(
+        gw.shared_data("tick_call").unwrap().0,
+        b"504:3:upstream request timeout"
+    );
 }

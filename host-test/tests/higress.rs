@@ -8,7 +8,10 @@ fn envoy_refuses_the_higress_build() {
     match &err {
         HostError::UnknownImport { module, name } => {
             assert_eq!(module, "env");
-            assert!(name == "proxy_set_upstream_override_host" || name == "proxy_get_upstream_hosts", "{name}");
+            assert!(
+                name == "proxy_set_upstream_override_host" || name == "proxy_get_upstream_hosts",
+                "{name}"
+            );
         }
         other => panic!("expected an unknown import, got {other}"),
     }
@@ -16,7 +19,11 @@ fn envoy_refuses_the_higress_build() {
 
 #[test]
 fn higress_overrides_the_host_and_keeps_the_body_flowing() {
-    let mut gw = Gateway::builder(fixture("fixture_higress")).mode(Mode::Higress).workers(2).build().unwrap();
+    let mut gw = Gateway::builder(fixture("fixture_higress"))
+        .mode(Mode::Higress)
+        .workers(2)
+        .build()
+        .unwrap();
     gw.set_upstream_hosts([
         ("10.0.0.1:8000", r#"{"health_status":"Healthy"}"#),
         ("10.0.0.2:8000", r#"{"health_status":"Healthy"}"#),

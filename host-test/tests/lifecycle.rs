@@ -10,10 +10,19 @@ fn callbacks_run_in_envoy_order() {
     assert_eq!(r.context_id, 2, "root context is 1");
     assert_eq!(
         context_log(&gw, 0, 2),
-        vec!["request_headers 4 true", "response_headers 1 true", "on_log 2", "on_done 2", "drop 2"]
+        vec![
+            "request_headers 4 true",
+            "response_headers 1 true",
+            "on_log 2",
+            "on_done 2",
+            "drop 2"
+        ]
     );
     assert_eq!(r.status(), Some(200));
-    assert_eq!(r.response.unwrap().headers.get("x-probe-saw-status"), Some("200"));
+    assert_eq!(
+        r.response.unwrap().headers.get("x-probe-saw-status"),
+        Some("200")
+    );
 }
 
 #[test]
@@ -37,7 +46,11 @@ fn every_worker_starts_and_requests_go_round_robin() {
     let workers: Vec<usize> = (0..4).map(|_| gw.request().send().worker).collect();
     assert_eq!(workers, vec![0, 1, 2, 0]);
     assert_eq!(gw.request().worker(2).send().worker, 2);
-    assert_eq!(gw.metric("probe.requests"), Some(5), "stats are process-wide");
+    assert_eq!(
+        gw.metric("probe.requests"),
+        Some(5),
+        "stats are process-wide"
+    );
 }
 
 #[test]
@@ -45,7 +58,10 @@ fn request_trailers_are_delivered_and_forwarded() {
     let mut gw = probe("");
     let r = gw.request().body("abc").trailer("x-trailer", "t").send();
     let log = context_log(&gw, 0, r.context_id);
-    assert_eq!(&log[..3], &["request_headers 5 false", "body 3 false", "trailers 1 t"]);
+    assert_eq!(
+        &log[..3],
+        &["request_headers 5 false", "body 3 false", "trailers 1 t"]
+    );
     assert_eq!(r.request_body, b"abc");
     let trailers = r.request_trailers.unwrap();
     assert_eq!(trailers.get("x-trailer-seen"), Some("1"));

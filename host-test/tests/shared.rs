@@ -18,7 +18,11 @@ fn cas_race_between_two_vms() {
         .header("x-body-cmd", "scas:n=from-0")
         .body("b")
         .start();
-    let b = gw.request().worker(1).header("x-cmd", "sset:n=from-1").send();
+    let b = gw
+        .request()
+        .worker(1)
+        .header("x-cmd", "sset:n=from-1")
+        .send();
     assert_eq!(b.header("x-out-sset"), Some("ok"));
     let call = gw.pending_callouts()[0].id;
     gw.reply(call, CalloutReply::Response(Response::ok("")));
@@ -34,7 +38,10 @@ fn cas_race_between_two_vms() {
         .header("x-body-cmd", "scas:fresh=from-0")
         .body("b")
         .start();
-    gw.request().worker(1).header("x-cmd", "sset:fresh=from-1").send();
+    gw.request()
+        .worker(1)
+        .header("x-cmd", "sset:fresh=from-1")
+        .send();
     let call = gw.pending_callouts()[0].id;
     gw.reply(call, CalloutReply::Response(Response::ok("")));
     assert_eq!(gw.outcome(a).state, StreamState::Complete);
@@ -68,10 +75,18 @@ fn ticks_fire_on_every_vm_with_the_test_clock() {
 fn shared_queues_notify_the_registering_vm() {
     let mut gw = probe("queue=q").workers(2);
     // Both VMs registered "q"; the last one (worker 1) is told.
-    let r = gw.request().worker(0).header("x-cmd", "enqueue:q=hello;enqueue:nope=x").send();
+    let r = gw
+        .request()
+        .worker(0)
+        .header("x-cmd", "enqueue:q=hello;enqueue:nope=x")
+        .send();
     let got: Vec<&[u8]> = r.request_headers.as_ref().unwrap().get_all("x-out-enqueue");
     assert_eq!(got, vec![&b"Ok(())"[..], &b"noqueue"[..]]);
-    let item = gw.logs().into_iter().find(|l| l.message == "queue item hello").expect("delivered");
+    let item = gw
+        .logs()
+        .into_iter()
+        .find(|l| l.message == "queue item hello")
+        .expect("delivered");
     assert_eq!(item.worker, 1);
     assert_eq!(gw.shared_data("queue_last").unwrap().0, b"hello");
     assert!(gw.enqueue("q", "from-test"));
@@ -85,7 +100,10 @@ fn keys_are_counted_and_prefilled() {
     let mut gw = probe("");
     gw.prefill_shared_data((0..1000).map(|i| (format!("k{i}"), vec![1u8; 8])));
     assert_eq!(gw.shared_data_len(), 1000);
-    assert_eq!(gw.shared_data_bytes(), (0..1000).map(|i| format!("k{i}").len() + 8).sum::<usize>());
+    assert_eq!(
+        gw.shared_data_bytes(),
+        (0..1000).map(|i| format!("k{i}").len() + 8).sum::<usize>()
+    );
     assert_eq!(gw.shared_data_keys()[0], "k0");
     let r = gw.request().header("x-cmd", "sget:k999").send();
     assert!(r.header("x-out-sget").unwrap().starts_with("\u{1}"));

@@ -26,7 +26,11 @@ pub fn context_log(gw: &Gateway, worker: usize, context_id: u32) -> Vec<String> 
 
 /// Lines starting with `prefix`, in order.
 pub fn lines(gw: &Gateway, prefix: &str) -> Vec<String> {
-    gw.logs().into_iter().map(|l| l.message).filter(|m| m.starts_with(prefix)).collect()
+    gw.logs()
+        .into_iter()
+        .map(|l| l.message)
+        .filter(|m| m.starts_with(prefix))
+        .collect()
 }
 
 pub const CLOCK_ORIGIN_NANOS: u64 = 1_767_225_600_000_000_000;
