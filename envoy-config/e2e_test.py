@@ -109,6 +109,16 @@ class E2E:
         check(self.first_dest(entry) == engine.address,
               f"{what}: destination header {entry.get('dest')!r}, expected {engine.address} first")
 
+    def counter(self, outcome: str) -> int:
+        v = self.s.filter_counter(outcome)
+        check(v is not None, f"Envoy has no stat for the filter's kvroute.requests.{outcome}")
+        return v
+
+    def wait_counter_above(self, outcome: str, before: int, what: str) -> None:
+        """Stats are merged from worker threads periodically: wait (bounded) for the count."""
+        K.wait_until(lambda: self.counter(outcome) > before, 10,
+                     f"kvroute.requests.{outcome} to count {what}")
+
     def expect_served(self, r, test_id: str, what: str) -> dict:
         """Fail open: the request reached an engine (no 413/5xx made by Envoy)."""
         entry = self.log_of(test_id)
@@ -201,9 +211,14 @@ class E2E:
                                    % self.model.encode(),
             "empty body": b"",
         }
+        bad_before = self.counter("bad_body") + self.counter("no_tokens")
         for what, body in cases.items():
             r, test_id = self.send(None, body=body)
             self.expect_served(r, test_id, what)
+        # ... and the filter said why it did not route them.
+        K.wait_until(lambda: self.counter("bad_body") + self.counter("no_tokens")
+                     >= bad_before + len(cases), 10,
+                     "bad_body/no_tokens counters to count the malformed bodies")
         # Garbage and non-UTF-8 bytes in the token header.
         for what, value in (("base64 garbage header", "!!!notbase64***"),
                             ("non-UTF-8 header", b"\xff\xfe\x80")):
@@ -212,17 +227,41 @@ class E2E:
             check(r.status == 200, f"{what}: status {r.status}")
 
     def test_oversized_body_fails_open(self):
-        # Valid JSON padded with whitespace: cheap for the engine, large for the gateway.
+        # Valid JSON padded with whitespace: cheap to build, large for the gateway.
         # 8.2 MB: over the filter's max_body_bytes (8,000,000), under Envoy's 8 MiB buffer.
-        # 12 MB: over both. Both must reach an engine (the filter gives up buffering and
-        # continues unrouted before Envoy's own limit would answer 413).
+        # 12 MB: over both. The filter must give up buffering and continue unrouted before
+        # Envoy's own limit would answer 413: the whole body reaches an engine. (What the
+        # engine then does with 8+ MB is the engine's business: kvroute-sim's HTTP server
+        # refuses bodies over 2 MB, as axum does by default, so its status is not checked.)
+        before = self.counter("too_large")
         for size in (8_200_000, 12_000_000):
             head = ('{"model": "%s", "prompt": %s, "max_tokens": 1' % (
                 self.model, fresh(BS * 2))).encode()
             body = head + b" " * (size - len(head) - 1) + b"}"
-            r, test_id = self.send(None, body=body, timeout=120)
-            self.expect_served(r, test_id, f"{size}-byte body")
-            check(r.status == 200, f"{size}-byte body: status {r.status} {r.body[:200]!r}")
+            test_id = tid()
+            try:
+                r = self.s.completion(self.s.kvroute_url, None, body=body, timeout=120,
+                                      extra_headers={"x-kvroute-test-id": test_id})
+                status = r.status
+            except OSError as exc:  # the engine refused the upload and reset it: see above
+                status = f"client saw {exc!r}"
+            entry = self.log_of(test_id)
+            # Envoy's own 413 is a local reply before any upstream is picked: an upstream in
+            # the access log proves the filter let the request through to the router.
+            check(entry.get("upstream") not in (None, "-"),
+                  f"{size}-byte body never reached an engine: status {status}, {entry}")
+            check(not self.first_dest(entry),
+                  f"{size}-byte body was routed although the filter never saw all of it: {entry}")
+        K.wait_until(lambda: self.counter("too_large") >= before + 2, 10,
+                     "kvroute.requests.too_large to count both bodies")
+        # A long prompt under the limits (1.9 MB: ~270k tokens of JSON) is buffered, scanned
+        # and served: the raised limits admit it, the engine answers 200.
+        head = ('{"model": "%s", "prompt": %s, "max_tokens": 1' % (
+            self.model, fresh(BS * 4))).encode()
+        body = head + b" " * (1_900_000 - len(head) - 1) + b"}"
+        r, test_id = self.send(None, body=body, timeout=120)
+        self.expect_served(r, test_id, "1.9 MB body")
+        check(r.status == 200, f"1.9 MB body: status {r.status} {r.body[:200]!r}")
 
     def test_collector_killed_mid_run(self):
         e = self.s.engines[2]
@@ -247,6 +286,7 @@ class E2E:
         th.start()
         try:
             K.wait_until(lambda: len(results) >= 10, 30, "traffic before the kill")
+            stale_before = self.counter("stale_index") + self.counter("collector_error")
             self.s.kill_collector()
             n_at_kill = len(results)
             # Past the filter's stale_after_ms (5 s): the filter must fail open, not stall.
@@ -255,6 +295,11 @@ class E2E:
             check(len(results) > n_at_kill + 10,
                   f"traffic stalled while the collector was down ({len(results) - n_at_kill} "
                   f"requests in {stale_ms / 1000 + 2:.0f}s)")
+            # The filter noticed: requests failed open as stale (local mode) or collector error.
+            self.wait_counter_above("stale_index", -1, "anything")
+            check(self.counter("stale_index") + self.counter("collector_error") > stale_before,
+                  "no request failed open as stale_index/collector_error while the collector "
+                  "was down")
             self.s.start_collector()
             # Routing by cache resumes: a prefix cached after the restart routes.
             w = fresh()

@@ -513,6 +513,13 @@ class Stack:
                 pass
         return out
 
+    def filter_counter(self, outcome: str) -> int | None:
+        """Envoy's count of the filter's `kvroute.requests.<outcome>` metric (summed over the
+        stat names that carry it), or None when Envoy has no such stat."""
+        stats = self.envoy_stats("kvroute.requests." + outcome)
+        vals = [v for k, v in stats.items() if k.endswith("kvroute.requests." + outcome)]
+        return sum(vals) if vals else None
+
     def access_log_entries(self) -> list[dict]:
         out = []
         try:
