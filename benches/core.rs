@@ -113,6 +113,14 @@ fn lookup(c: &mut Criterion) {
             }
             changes.clear();
         }
+        let mut stats = kvroute::lookup::WalkStats::default();
+        let found = kvroute::lookup::longest_matches(&index, &keys, &mut stats);
+        assert_eq!(found.len(), workers);
+        eprintln!(
+            "lookup with {workers} workers: {} holder reads for {} blocks",
+            stats.reads,
+            keys.len()
+        );
         g.bench_with_input(BenchmarkId::from_parameter(workers), &keys, |b, keys| {
             b.iter(|| black_box(index.lookup(black_box(keys))))
         });

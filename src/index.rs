@@ -4,14 +4,13 @@
 //!
 //! Every (block, worker) hold is one [`Node`] in one arena. A node knows its worker, its scope,
 //! its engine hash, its [`BlockKey`] and its place in the worker's tree (parent, first child,
-//! siblings). Two hash tables hold only `u32` node indices and hash through the arena:
+//! siblings). Each worker's `by_engine` table holds only `u32` node indices and hashes through
+//! the arena: an engine hash → the worker's node, to resolve parents and removals, which
+//! engines name by their own hashes.
 //!
-//! - `by_key`: a block key → the first node holding it; the other holders of the same key
-//!   follow through `next_same_key`. This answers "who holds this block" ([`HolderView`]).
-//! - each worker's `by_engine`: an engine hash → the worker's node, to resolve parents and
-//!   removals, which engines name by their own hashes.
-//!
-//! So a hold costs one 48-byte node plus two table slots of 4 bytes and a control byte each.
+//! Who holds a block is kept apart, in [`Holders`]: a block key → its holders, packed and
+//! contiguous, so that a lookup reads one table slot and one short array per depth instead of
+//! chasing nodes across the arena.
 //!
 //! # Semantics
 //!
@@ -116,8 +115,6 @@ struct Node {
     parent: u32,
     first_child: u32,
     next_sibling: u32,
-    prev_sibling: u32,
-    next_same_key: u32,
     worker: WorkerId,
     scope: u32,
     tiers: TierMask,
@@ -144,7 +141,7 @@ pub struct Index {
     config: IndexConfig,
     nodes: Vec<Node>,
     free: Vec<u32>,
-    by_key: HashTable<u32>,
+    holders: Holders,
     workers: Vec<Option<Worker>>,
     scopes: Vec<ScopeSlot>,
     scope_ids: HashMap<ScopeId, u32>,
@@ -225,7 +222,7 @@ impl Index {
     pub fn stats(&self) -> IndexStats {
         IndexStats {
             workers: self.workers.iter().flatten().count(),
-            blocks: self.by_key.len(),
+            blocks: self.holders.len(),
             holds: self.holds,
             scopes: self.scope_ids.len(),
         }
@@ -497,8 +494,6 @@ impl Index {
             parent,
             first_child: NIL,
             next_sibling: first_sibling,
-            prev_sibling: NIL,
-            next_same_key: NIL,
             worker,
             scope,
             tiers: TierMask::of(tier),
@@ -514,9 +509,6 @@ impl Index {
                 (self.nodes.len() - 1) as u32
             }
         };
-        if first_sibling != NIL {
-            self.nodes[first_sibling as usize].prev_sibling = n;
-        }
         if parent != NIL {
             self.nodes[parent as usize].first_child = n;
         }
@@ -526,7 +518,7 @@ impl Index {
             w.by_engine
                 .insert_unique(mix(engine.0), n, |&m| mix(nodes[m as usize].engine.0));
         }
-        self.link_key(n);
+        self.holders.add(key, worker, class);
         self.holds += 1;
         changes.push(Change {
             worker,
@@ -535,55 +527,6 @@ impl Index {
             key,
         });
         n
-    }
-
-    fn link_key(&mut self, n: u32) {
-        let key = self.nodes[n as usize].key;
-        let nodes = &self.nodes;
-        match self
-            .by_key
-            .find_mut(mix(key.0), |&m| nodes[m as usize].key == key)
-        {
-            Some(head) => {
-                let old = *head;
-                *head = n;
-                self.nodes[n as usize].next_same_key = old;
-            }
-            None => {
-                self.by_key
-                    .insert_unique(mix(key.0), n, |&m| mix(nodes[m as usize].key.0));
-            }
-        }
-    }
-
-    fn unlink_key(&mut self, n: u32) {
-        let key = self.nodes[n as usize].key;
-        let next = self.nodes[n as usize].next_same_key;
-        let nodes = &self.nodes;
-        let Ok(entry) = self
-            .by_key
-            .find_entry(mix(key.0), |&m| nodes[m as usize].key == key)
-        else {
-            return;
-        };
-        let head = *entry.get();
-        if head == n {
-            if next == NIL {
-                entry.remove();
-            } else {
-                *entry.into_mut() = next;
-            }
-            return;
-        }
-        let mut cur = head;
-        while cur != NIL {
-            let after = self.nodes[cur as usize].next_same_key;
-            if after == n {
-                self.nodes[cur as usize].next_same_key = next;
-                return;
-            }
-            cur = after;
-        }
     }
 
     /// Adds a tier to a hold; a better class flows down to the descendants.
@@ -634,6 +577,8 @@ impl Index {
                 continue;
             }
             if class != node.class {
+                self.holders.remove(node.key, node.worker, node.class);
+                self.holders.add(node.key, node.worker, class);
                 changes.push(Change {
                     worker: node.worker,
                     tier: node.class,
@@ -690,20 +635,31 @@ impl Index {
         }
     }
 
+    /// Children are a singly linked list (a back link would cost every node 8 bytes with
+    /// padding): unlinking walks the siblings before `n`. Engines evict tail first, so the
+    /// blocks removed are mostly leaves under parents with few children.
     fn unlink_from_parent(&mut self, n: u32) {
         let Node {
             parent,
-            prev_sibling,
             next_sibling,
             ..
         } = self.nodes[n as usize];
-        if prev_sibling != NIL {
-            self.nodes[prev_sibling as usize].next_sibling = next_sibling;
-        } else if parent != NIL {
-            self.nodes[parent as usize].first_child = next_sibling;
+        if parent == NIL {
+            return;
         }
-        if next_sibling != NIL {
-            self.nodes[next_sibling as usize].prev_sibling = prev_sibling;
+        let first = self.nodes[parent as usize].first_child;
+        if first == n {
+            self.nodes[parent as usize].first_child = next_sibling;
+            return;
+        }
+        let mut cur = first;
+        while cur != NIL {
+            let next = self.nodes[cur as usize].next_sibling;
+            if next == n {
+                self.nodes[cur as usize].next_sibling = next_sibling;
+                return;
+            }
+            cur = next;
         }
     }
 
@@ -717,7 +673,7 @@ impl Index {
             added: false,
             key: node.key,
         });
-        self.unlink_key(n);
+        self.holders.remove(node.key, node.worker, node.class);
         self.holds -= 1;
         let scope = node.scope;
         self.scopes[scope as usize].nodes -= 1;
@@ -762,16 +718,154 @@ impl Index {
 
 impl HolderView for Index {
     fn holders(&self, key: BlockKey, out: &mut Vec<(WorkerId, TierMask)>) {
-        let nodes = &self.nodes;
-        let mut n = self
-            .by_key
-            .find(mix(key.0), |&m| nodes[m as usize].key == key)
-            .copied()
-            .unwrap_or(NIL);
-        while n != NIL {
-            let node = &nodes[n as usize];
-            out.push((node.worker, TierMask::of(node.class)));
-            n = node.next_same_key;
+        self.holders.get(key, out);
+    }
+
+    fn holders_among(
+        &self,
+        key: BlockKey,
+        workers: &[WorkerId],
+        out: &mut Vec<(WorkerId, TierMask)>,
+    ) {
+        self.holders.get_among(key, workers, out);
+    }
+}
+
+/// Block key → holders. A key with one holder keeps it inline in its table slot; a key with
+/// more points into `lists`, a sorted array of packed `worker << 2 | class` words, so that a
+/// walk with few candidates left can look them up instead of scanning every holder.
+#[derive(Clone, Debug, Default)]
+struct Holders {
+    table: HashTable<KeyHolders>,
+    lists: Vec<Vec<u32>>,
+    free_lists: Vec<u32>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct KeyHolders {
+    key: BlockKey,
+    /// Bit 63 set: index into `lists`; clear: one holder, `worker << 2 | class`.
+    slot: u64,
+}
+
+const LIST: u64 = 1 << 63;
+
+fn pack(worker: WorkerId, class: Tier) -> u32 {
+    worker.0 << 2 | class as u32
+}
+
+fn unpack(word: u32) -> (WorkerId, TierMask) {
+    (
+        WorkerId(word >> 2),
+        TierMask::of(Tier::from_u8((word & 3) as u8).unwrap_or(Tier::Disk)),
+    )
+}
+
+impl Holders {
+    fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    fn add(&mut self, key: BlockKey, worker: WorkerId, class: Tier) {
+        let word = pack(worker, class);
+        match self.table.find_mut(mix(key.0), |e| e.key == key) {
+            Some(e) if e.slot & LIST != 0 => {
+                let list = &mut self.lists[(e.slot & !LIST) as usize];
+                let at = list.partition_point(|&w| w < word);
+                list.insert(at, word);
+            }
+            Some(e) => {
+                let first = e.slot as u32;
+                let pair = [first.min(word), first.max(word)];
+                let list = match self.free_lists.pop() {
+                    Some(l) => {
+                        self.lists[l as usize].extend(pair);
+                        l
+                    }
+                    None => {
+                        self.lists.push(pair.to_vec());
+                        (self.lists.len() - 1) as u32
+                    }
+                };
+                e.slot = LIST | list as u64;
+            }
+            None => {
+                self.table.insert_unique(
+                    mix(key.0),
+                    KeyHolders {
+                        key,
+                        slot: word as u64,
+                    },
+                    |e| mix(e.key.0),
+                );
+            }
+        }
+    }
+
+    fn remove(&mut self, key: BlockKey, worker: WorkerId, class: Tier) {
+        let word = pack(worker, class);
+        let Ok(entry) = self.table.find_entry(mix(key.0), |e| e.key == key) else {
+            return;
+        };
+        let slot = entry.get().slot;
+        if slot & LIST == 0 {
+            if slot as u32 == word {
+                entry.remove();
+            }
+            return;
+        }
+        let l = (slot & !LIST) as usize;
+        let list = &mut self.lists[l];
+        if let Ok(i) = list.binary_search(&word) {
+            list.remove(i);
+        }
+        if list.len() == 1 {
+            // Back inline: one holder needs no list.
+            let last = list[0];
+            list.clear();
+            if list.capacity() > 8 {
+                list.shrink_to_fit();
+            }
+            self.free_lists.push(l as u32);
+            entry.into_mut().slot = last as u64;
+        }
+    }
+
+    fn get(&self, key: BlockKey, out: &mut Vec<(WorkerId, TierMask)>) {
+        let Some(e) = self.table.find(mix(key.0), |e| e.key == key) else {
+            return;
+        };
+        if e.slot & LIST == 0 {
+            out.push(unpack(e.slot as u32));
+        } else {
+            out.extend(
+                self.lists[(e.slot & !LIST) as usize]
+                    .iter()
+                    .map(|&w| unpack(w)),
+            );
+        }
+    }
+
+    fn get_among(&self, key: BlockKey, workers: &[WorkerId], out: &mut Vec<(WorkerId, TierMask)>) {
+        let Some(e) = self.table.find(mix(key.0), |e| e.key == key) else {
+            return;
+        };
+        if e.slot & LIST == 0 {
+            out.push(unpack(e.slot as u32));
+            return;
+        }
+        let list = &self.lists[(e.slot & !LIST) as usize];
+        // A binary search per worker beats a scan only when the candidates are few.
+        if workers.len() * 4 >= list.len() {
+            out.extend(list.iter().map(|&w| unpack(w)));
+            return;
+        }
+        for &worker in workers {
+            let mut at = list.partition_point(|&w| w >> 2 < worker.0);
+            while let Some(&w) = list.get(at).filter(|&&w| w >> 2 == worker.0) {
+                out.push(unpack(w));
+                at += 1;
+            }
         }
     }
 }

@@ -52,6 +52,19 @@ impl TierMask {
 pub trait HolderView {
     /// Appends every worker holding `key`, with the tiers it holds it in, to `out`.
     fn holders(&self, key: BlockKey, out: &mut Vec<(WorkerId, TierMask)>);
+
+    /// Like [`HolderView::holders`], but only the holders among `workers` are needed (others
+    /// may be appended too: the walk ignores them). A view that can look workers up faster
+    /// than it lists a block's holders overrides this.
+    fn holders_among(
+        &self,
+        key: BlockKey,
+        workers: &[WorkerId],
+        out: &mut Vec<(WorkerId, TierMask)>,
+    ) {
+        let _ = workers;
+        self.holders(key, out);
+    }
 }
 
 /// One worker's match: the number of leading query blocks it holds, per cumulative tier class
@@ -120,25 +133,31 @@ pub fn longest_matches(
         }
     }
     if keys.len() > 1 {
+        // Worker ids are small and dense (the collector interns them): a flat array finds a
+        // holder's match in one step.
+        let max_worker = matches
+            .iter()
+            .map(|m| m.worker.0 as usize)
+            .max()
+            .unwrap_or(0);
+        let mut slot_of = vec![u32::MAX; max_worker + 1];
+        for (i, m) in matches.iter().enumerate() {
+            slot_of[m.worker.0 as usize] = i as u32;
+        }
+        let marks = vec![TierMask::EMPTY; matches.len()];
         let mut walk = Walk {
             view,
             keys,
             matches: &mut matches,
+            slot_of,
             buf,
-            marks: vec![TierMask::EMPTY; buf_len(&candidates)],
+            marks,
+            workers: Vec::new(),
             stats,
         };
-        walk.bisect(1, keys.len() - 1, candidates);
+        walk.bisect(1, keys.len() - 1, &mut candidates);
     }
     matches
-}
-
-fn buf_len(candidates: &[Candidate]) -> usize {
-    candidates
-        .iter()
-        .map(|c| c.idx as usize + 1)
-        .max()
-        .unwrap_or(0)
 }
 
 #[derive(Clone, Copy)]
@@ -155,43 +174,63 @@ fn holds_at(mask: TierMask, class: Tier) -> bool {
 struct Walk<'a, V> {
     view: &'a V,
     keys: &'a [BlockKey],
-    /// Sorted by worker: a read's holders find their match by binary search.
     matches: &'a mut Vec<WorkerMatch>,
+    /// Worker id → index in `matches` (`u32::MAX`: not a candidate).
+    slot_of: Vec<u32>,
     buf: Vec<(WorkerId, TierMask)>,
     /// Per match, the tiers the current read found it holding; cleared after each read.
     marks: Vec<TierMask>,
+    /// The current candidates' workers, for [`HolderView::holders_among`].
+    workers: Vec<WorkerId>,
     stats: &'a mut WalkStats,
 }
 
 impl<V: HolderView> Walk<'_, V> {
     /// Every candidate is known to hold depth `lo - 1`; finds which of `lo..=hi` they hold.
-    fn bisect(&mut self, lo: usize, hi: usize, candidates: Vec<Candidate>) {
+    fn bisect(&mut self, lo: usize, hi: usize, candidates: &mut [Candidate]) {
         if candidates.is_empty() || lo > hi {
             return;
         }
         let mid = lo + (hi - lo) / 2;
         self.buf.clear();
-        self.view.holders(self.keys[mid], &mut self.buf);
+        self.workers.clear();
+        self.workers.extend(
+            candidates
+                .iter()
+                .map(|c| self.matches[c.idx as usize].worker),
+        );
+        self.view
+            .holders_among(self.keys[mid], &self.workers, &mut self.buf);
         self.stats.reads += 1;
         for &(worker, mask) in &self.buf {
-            if let Ok(i) = self.matches.binary_search_by_key(&worker, |m| m.worker) {
-                self.marks[i] = TierMask(self.marks[i].0 | mask.0);
+            if let Some(&i) = self
+                .slot_of
+                .get(worker.0 as usize)
+                .filter(|&&i| i != u32::MAX)
+            {
+                self.marks[i as usize] = TierMask(self.marks[i as usize].0 | mask.0);
             }
         }
-        let (mut deeper, mut shallower) = (Vec::new(), Vec::new());
-        for c in candidates {
+        // Partition in place: holders of `mid` to the front.
+        let mut split = 0;
+        for i in 0..candidates.len() {
+            let c = candidates[i];
             if holds_at(self.marks[c.idx as usize], c.class) {
                 self.matches[c.idx as usize].blocks[c.class as usize] = mid as u32 + 1;
-                deeper.push(c);
-            } else {
-                shallower.push(c);
+                candidates.swap(split, i);
+                split += 1;
             }
         }
         for &(worker, _) in &self.buf {
-            if let Ok(i) = self.matches.binary_search_by_key(&worker, |m| m.worker) {
-                self.marks[i] = TierMask::EMPTY;
+            if let Some(&i) = self
+                .slot_of
+                .get(worker.0 as usize)
+                .filter(|&&i| i != u32::MAX)
+            {
+                self.marks[i as usize] = TierMask::EMPTY;
             }
         }
+        let (deeper, shallower) = candidates.split_at_mut(split);
         self.bisect(mid + 1, hi, deeper);
         if mid > lo {
             self.bisect(lo, mid - 1, shallower);
