@@ -1,1 +1,227 @@
-fn main() {}
+//! Per-request cost of the real `kvroute_filter.wasm` in the host-test crate's wasmtime host.
+//!
+//! Dimensions: prompt sizes 1k / 8k / 32k tokens (block size 16); a 1M-block index
+//! (16 single-rank instances, 16384 buckets) built natively with the filter's own layout code
+//! and loaded into the host's shared data; index sizes 1k / 32k / 1M blocks for the read count.
+//!
+//! What is measured, per request, wall time (mean over `N` requests after a warm-up):
+//! - `baseline`: a request with no tokens (host and filter overhead of a request);
+//! - `intake/header_base64`: tokens in `x-token-ids`, model in `x-model`; the model names a
+//!   model the index lacks, so the filter stops right after intake + the staleness check;
+//! - `intake/body_json`: the same tokens as a JSON body (`prompt` array, plus a chat-like
+//!   `messages` field to skip); throughput = body bytes / (time − baseline);
+//! - `route/header_base64`: the full path: intake, hashing, bisection over the buckets, load
+//!   read, pick, headers, load update; `lookup+decision` = route − intake.
+//!
+//! Run: `make wasm && cargo bench -p kvroute-filter --bench benches` (env `KVROUTE_BENCH_N`
+//! sets the requests per case, default 300).
+
+use std::time::{Duration, Instant};
+
+use kvroute::bucket::{self, Keys, Limits, MemStore, Store};
+use kvroute::event::{Tier, WorkerId};
+use kvroute::feed::{Op, Page};
+use kvroute::hash;
+use kvroute::intake::encode_base64_u32;
+use kvroute::scope::{BlockKey, ScopeId};
+use kvroute_host_test::{bench, built_wasm, CalloutReply, Gateway, Response};
+
+const BS: usize = 16;
+const WORKERS: u32 = 16;
+
+fn keys_of(tokens: &[u32]) -> Vec<BlockKey> {
+    let seqs = hash::sequence_hashes(tokens, BS, hash::seed(None, None)).unwrap();
+    let scope = ScopeId::of("default", "m", None, None);
+    seqs.into_iter().map(|s| scope.key(s)).collect()
+}
+
+/// A shared-data image of an index of `total` blocks in which worker `w` holds the first
+/// `(w + 1) / WORKERS` of the 32k-token prompt's blocks (so 16 distinct match lengths), and
+/// random chains fill the rest.
+fn index_image(total: usize, prompt: &[u32]) -> Vec<(String, Vec<u8>)> {
+    let store = MemStore::new();
+    let keys = Keys::new("kvroute");
+    let limits = Limits {
+        buckets_log2: 14,
+        max_workers: 256,
+        max_bucket_keys: 4096,
+        max_models: 64,
+    };
+    let mut ops = vec![Op::BlockSize {
+        tenant: "default".into(),
+        model: "m".into(),
+        block_size: BS as u32,
+    }];
+    for w in 0..WORKERS {
+        ops.push(Op::Worker {
+            id: WorkerId(w),
+            live: true,
+            dp_rank: 0,
+            instance_id: format!("i{w}"),
+            address: format!("10.0.0.{}:8000", w + 1),
+        });
+    }
+    let pk = keys_of(prompt);
+    let mut placed = 0usize;
+    for w in 0..WORKERS {
+        let n = pk.len() * (w as usize + 1) / WORKERS as usize;
+        ops.push(Op::Blocks {
+            worker: WorkerId(w),
+            tier: Tier::Gpu,
+            added: true,
+            keys: pk[..n].to_vec(),
+        });
+        placed += n;
+    }
+    let mut x = 0x1234_5678_9abc_def0u64;
+    let per = total.saturating_sub(placed) / WORKERS as usize;
+    for w in 0..WORKERS {
+        let ks: Vec<BlockKey> = (0..per)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                BlockKey(x)
+            })
+            .collect();
+        ops.push(Op::Blocks {
+            worker: WorkerId(w),
+            tier: Tier::Gpu,
+            added: true,
+            keys: ks,
+        });
+    }
+    let page = Page {
+        flags: Page::RESET,
+        epoch: 1,
+        cursor: 1,
+        ops,
+    };
+    bucket::apply_page(&store, &keys, &limits, &page, 0).unwrap();
+    store
+        .keys()
+        .into_iter()
+        .filter_map(|k| store.get(&k).ok().and_then(|(v, _)| v).map(|v| (k, v)))
+        .collect()
+}
+
+fn gateway(image: &[(String, Vec<u8>)]) -> Gateway {
+    let wasm = built_wasm("kvroute_filter").unwrap_or_else(|e| panic!("{e}: run make wasm"));
+    let mut gw = Gateway::builder(wasm)
+        .config(
+            r#"{"collector":{"cluster":"kvroute_collector"},"index":{"stale_after_ms":3600000}}"#,
+        )
+        .plugin_name("kvroute")
+        .allow_on_headers_stop_iteration(true)
+        .fuel(false)
+        .build()
+        .unwrap();
+    gw.prefill_shared_data(image.iter().map(|(k, v)| (k.clone(), v.clone())));
+    // The image's sync time is 0 (the epoch); the host clock starts in 2026: fix the state.
+    let keys = Keys::new("kvroute");
+    let (mut state, _) = bucket::SyncState::decode(&gw.shared_data(&keys.active()).unwrap().0)
+        .map(|s| (s, 0))
+        .unwrap();
+    state.synced_at_ms = gw.now_nanos() / 1_000_000;
+    gw.set_shared_data(&keys.active(), state.encode());
+    // The collector answers nothing new: the index stays as loaded.
+    gw.cluster("kvroute_collector", |_| {
+        CalloutReply::Response(Response::new(503))
+    });
+    gw
+}
+
+fn measure(
+    gw: &mut Gateway,
+    n: u64,
+    mut make: impl FnMut(kvroute_host_test::RequestBuilder<'_>) -> kvroute_host_test::RequestBuilder<'_>,
+) -> Duration {
+    bench::run(gw, n / 5 + 1, |_, r| make(r)).unwrap();
+    let start = Instant::now();
+    let run = bench::run(gw, n, |_, r| make(r)).unwrap();
+    let _ = start;
+    run.wall_per_request()
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let n: u64 = std::env::var("KVROUTE_BENCH_N")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(300);
+    let prompt: Vec<u32> = (0..32_768u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 100_000)
+        .collect();
+    println!("building a 1M-block index image...");
+    let image = index_image(1_000_000, &prompt);
+    let mut gw = gateway(&image);
+    println!(
+        "shared-data keys: {}, bytes: {}",
+        gw.shared_data_len(),
+        gw.shared_data_bytes()
+    );
+    let base = measure(&mut gw, n, |r| r.header("x-other", "1"));
+    println!("baseline (no tokens): {:.1} us/request", us(base));
+    println!("| tokens | intake header b64 (us) | intake body JSON (us) | body MB/s | route (us) | lookup+decision (us) | reads/request |");
+    println!("|---|---|---|---|---|---|---|");
+    for size in [1024usize, 8192, 32768] {
+        let toks = &prompt[..size];
+        let b64 = encode_base64_u32(toks);
+        let body = serde_json::to_vec(&serde_json::json!({
+            "model": "absent",
+            "messages": [{"role": "user", "content": "Summarize the following document, please. ".repeat(8)}],
+            "prompt": toks,
+            "max_tokens": 16,
+        }))
+        .unwrap();
+        let hdr = measure(&mut gw, n, |r| {
+            r.header("x-token-ids", &b64).header("x-model", "absent")
+        });
+        let js = measure(&mut gw, n, |r| {
+            r.header("content-type", "application/json")
+                .body(body.clone())
+        });
+        let reads_before = gw
+            .histogram("kvroute.lookup_reads")
+            .unwrap_or_default()
+            .len();
+        let route = measure(&mut gw, n, |r| {
+            r.header("x-token-ids", &b64).header("x-model", "m")
+        });
+        let reads = gw.histogram("kvroute.lookup_reads").unwrap_or_default();
+        let new = &reads[reads_before.min(reads.len())..];
+        let mean_reads = new.iter().sum::<u64>() as f64 / new.len().max(1) as f64;
+        let body_time = js.saturating_sub(base).as_secs_f64();
+        let mbps = body.len() as f64 / body_time.max(1e-9) / 1e6;
+        println!(
+            "| {size} | {:.1} | {:.1} ({} B) | {:.0} | {:.1} | {:.1} | {:.1} (+2: state, load) |",
+            us(hdr.saturating_sub(base)),
+            us(js.saturating_sub(base)),
+            body.len(),
+            mbps,
+            us(route.saturating_sub(base)),
+            us(route.saturating_sub(hdr)),
+            mean_reads
+        );
+    }
+    // Reads per request against the index size, for an 8k-token prompt.
+    println!("\n| index blocks | reads/request (8k tokens) |");
+    println!("|---|---|");
+    for total in [1_000usize, 32_000, 1_000_000] {
+        let image = index_image(total, &prompt);
+        let mut gw = gateway(&image);
+        let b64 = encode_base64_u32(&prompt[..8192]);
+        measure(&mut gw, 20, |r| {
+            r.header("x-token-ids", &b64).header("x-model", "m")
+        });
+        let reads = gw.histogram("kvroute.lookup_reads").unwrap_or_default();
+        let mean = reads.iter().sum::<u64>() as f64 / reads.len().max(1) as f64;
+        println!("| {total} | {mean:.1} |");
+    }
+}

@@ -14,7 +14,8 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::config::{Config, Matcher, Mode, Source, Sources};
 use crate::host::{self, HostStore};
-use crate::{Outcome, Scratch, VmRef};
+use crate::vm::{Scratch, VmRef};
+use crate::Outcome;
 
 /// Most tokens taken from one header or metadata value.
 const MAX_STRING_TOKENS: usize = 1 << 20;

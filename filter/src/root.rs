@@ -12,7 +12,7 @@ use proxy_wasm::types::{BufferType, ContextType, MapType};
 use crate::config::{self, Mode};
 use crate::host::{self, HostStore};
 use crate::http::Http;
-use crate::{MetaCache, Metrics, Scratch, Vm, VmRef};
+use crate::vm::{MetaCache, Metrics, Scratch, Vm, VmRef};
 
 pub(crate) struct Root {
     vm: Option<VmRef>,

@@ -1,0 +1,293 @@
+//! Helpers: the built module, a gateway with the filter, and a fake collector that serves the
+//! feed protocol from a list of ops (the real collector is used in `sync.rs`).
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvroute::bucket::{self, Keys};
+use kvroute::event::{Tier, WorkerId};
+use kvroute::feed::{Op, Page};
+use kvroute::hash;
+use kvroute::scope::{BlockKey, ScopeId};
+use kvroute_host_test::{built_wasm, Callout, CalloutReply, Gateway, Mode, Outcome, Response};
+
+pub const CLUSTER: &str = "kvroute_collector";
+pub const PLUGIN: &str = "kvroute";
+pub const DEST: &str = "x-gateway-destination-endpoint";
+pub const BS: u32 = 16;
+
+/// The stock module. Tests never build it: `make wasm` does.
+pub fn wasm() -> PathBuf {
+    built_wasm("kvroute_filter").unwrap_or_else(|e| panic!("{e}: run make wasm"))
+}
+
+/// The Higress module.
+pub fn wasm_higress() -> PathBuf {
+    built_wasm("kvroute_filter_higress").unwrap_or_else(|e| panic!("{e}: run make wasm"))
+}
+
+/// A config with the collector cluster, a fixed seed, the debug header and `extra` keys laid
+/// over the top level.
+pub fn config(extra: serde_json::Value) -> String {
+    let mut c = serde_json::json!({
+        "collector": {"cluster": CLUSTER},
+        "random_seed": 7,
+        "debug_header": "x-kvroute-debug",
+        "log_level": "debug",
+    });
+    if let (Some(c), Some(extra)) = (c.as_object_mut(), extra.as_object()) {
+        for (k, v) in extra {
+            c.insert(k.clone(), v.clone());
+        }
+    }
+    c.to_string()
+}
+
+pub fn gateway(config: &str, workers: usize) -> Gateway {
+    Gateway::builder(wasm())
+        .config(config)
+        .plugin_name(PLUGIN)
+        .allow_on_headers_stop_iteration(true)
+        .workers(workers)
+        .build()
+        .unwrap_or_else(|e| panic!("gateway: {e}"))
+}
+
+pub fn gateway_higress(config: &str) -> Gateway {
+    Gateway::builder(wasm_higress())
+        .config(config)
+        .plugin_name(PLUGIN)
+        .mode(Mode::Higress)
+        .workers(1)
+        .build()
+        .unwrap_or_else(|e| panic!("gateway: {e}"))
+}
+
+/// Tokens `start..start + n`.
+pub fn tokens(start: u32, n: u32) -> Vec<u32> {
+    (start..start + n).collect()
+}
+
+/// Block keys of `tokens` in a scope.
+pub fn keys_of(
+    tokens: &[u32],
+    tenant: &str,
+    model: &str,
+    lora: Option<&str>,
+    salt: Option<&str>,
+) -> Vec<BlockKey> {
+    let seqs =
+        hash::sequence_hashes(tokens, BS as usize, hash::seed(lora, salt)).expect("block size");
+    let scope = ScopeId::of(tenant, model, lora, salt);
+    seqs.into_iter().map(|s| scope.key(s)).collect()
+}
+
+#[derive(Debug, Default)]
+struct FeedState {
+    epoch: u64,
+    cursor: u64,
+    /// Every op so far: replayed in order, it rebuilds the index (the snapshot).
+    history: Vec<Op>,
+    pending: Vec<Op>,
+    down: bool,
+    pulls: u64,
+    feed_bytes: u64,
+}
+
+/// A collector double that speaks `/v1/feed`.
+#[derive(Clone, Debug, Default)]
+pub struct FakeCollector {
+    state: Arc<Mutex<FeedState>>,
+}
+
+impl FakeCollector {
+    pub fn new() -> Self {
+        let f = FakeCollector::default();
+        f.state.lock().unwrap().epoch = 1;
+        f
+    }
+
+    /// Serves `CLUSTER` of `gw`.
+    pub fn attach(&self, gw: &mut Gateway) {
+        let me = self.clone();
+        gw.cluster(CLUSTER, move |c| me.answer(c));
+    }
+
+    fn answer(&self, c: &Callout) -> CalloutReply {
+        let mut s = self.state.lock().unwrap();
+        if s.down {
+            return CalloutReply::Reset;
+        }
+        s.pulls += 1;
+        let path = c.path().to_owned();
+        let epoch = query_param(&path, "epoch");
+        let page = if epoch == Some(s.epoch) {
+            let ops = std::mem::take(&mut s.pending);
+            if !ops.is_empty() {
+                s.cursor += 1;
+            }
+            Page {
+                flags: 0,
+                epoch: s.epoch,
+                cursor: s.cursor,
+                ops,
+            }
+        } else {
+            s.pending.clear();
+            Page {
+                flags: Page::RESET,
+                epoch: s.epoch,
+                cursor: s.cursor,
+                ops: s.history.clone(),
+            }
+        };
+        let bytes = page.to_bytes();
+        s.feed_bytes += bytes.len() as u64;
+        CalloutReply::Response(
+            Response::ok(bytes).header("content-type", "application/x-kvroute-feed"),
+        )
+    }
+
+    pub fn push(&self, op: Op) {
+        let mut s = self.state.lock().unwrap();
+        s.history.push(op.clone());
+        s.pending.push(op);
+    }
+
+    pub fn worker(&self, id: u32, instance: &str, dp_rank: u32, address: &str) {
+        self.push(Op::Worker {
+            id: WorkerId(id),
+            live: true,
+            dp_rank,
+            instance_id: instance.into(),
+            address: address.into(),
+        });
+    }
+
+    pub fn block_size(&self, tenant: &str, model: &str) {
+        self.push(Op::BlockSize {
+            tenant: tenant.into(),
+            model: model.into(),
+            block_size: BS,
+        });
+    }
+
+    /// Worker `id` holds every full block of `tokens` in the scope.
+    pub fn hold(
+        &self,
+        id: u32,
+        tokens: &[u32],
+        tenant: &str,
+        model: &str,
+        lora: Option<&str>,
+        salt: Option<&str>,
+    ) {
+        self.push(Op::Blocks {
+            worker: WorkerId(id),
+            tier: Tier::Gpu,
+            added: true,
+            keys: keys_of(tokens, tenant, model, lora, salt),
+        });
+    }
+
+    /// A collector restart: a new epoch (readers must resync), with an empty index unless ops
+    /// are pushed again.
+    pub fn restart(&self, keep: bool) {
+        let mut s = self.state.lock().unwrap();
+        s.epoch += 1;
+        s.cursor = 0;
+        s.pending.clear();
+        if !keep {
+            s.history.clear();
+        }
+    }
+
+    pub fn set_down(&self, down: bool) {
+        self.state.lock().unwrap().down = down;
+    }
+
+    pub fn pulls(&self) -> u64 {
+        self.state.lock().unwrap().pulls
+    }
+}
+
+pub fn query_param(path: &str, name: &str) -> Option<u64> {
+    let q = path.split_once('?')?.1;
+    q.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k == name).then(|| v.parse().ok()).flatten()
+    })
+}
+
+/// Two instances, `a` (10.0.0.1:8000) and `b` (10.0.0.2:8000), model `m`, tenant `default`.
+pub fn two_instances(feed: &FakeCollector) {
+    feed.worker(0, "a", 0, "10.0.0.1:8000");
+    feed.worker(1, "b", 0, "10.0.0.2:8000");
+    feed.block_size("default", "m");
+}
+
+pub const A: &str = "10.0.0.1:8000";
+pub const B: &str = "10.0.0.2:8000";
+
+/// Lets one sync interval pass (every VM ticks; the lease holder pulls).
+pub fn sync(gw: &mut Gateway) {
+    gw.advance(Duration::from_millis(100));
+}
+
+/// Sends a completions request with a token prompt.
+pub fn complete(gw: &mut Gateway, model: &str, prompt: &[u32]) -> Outcome {
+    gw.request()
+        .header("content-type", "application/json")
+        .json_body(&serde_json::json!({"model": model, "prompt": prompt}))
+        .send()
+}
+
+pub fn dest(o: &Outcome) -> Option<&str> {
+    o.header(DEST)
+}
+
+/// First address of the destination header.
+pub fn best(o: &Outcome) -> Option<&str> {
+    dest(o).map(|d| d.split(',').next().unwrap_or(d))
+}
+
+pub fn count(gw: &Gateway, outcome: &str) -> u64 {
+    gw.metric(&format!("kvroute.requests.{outcome}"))
+        .unwrap_or(0)
+}
+
+pub fn debug(o: &Outcome) -> String {
+    o.response
+        .as_ref()
+        .and_then(|r| r.headers.get("x-kvroute-debug"))
+        .unwrap_or("")
+        .to_owned()
+}
+
+pub fn keys() -> Keys {
+    Keys::new(PLUGIN)
+}
+
+/// In-flight requests the filter recorded for worker slot `slot`.
+pub fn in_flight(gw: &Gateway, slot: u32) -> u32 {
+    let table = gw
+        .shared_data(&keys().load())
+        .map(|(v, _)| v)
+        .unwrap_or_default();
+    bucket::load_get(&table, slot as u64 + 1, u64::MAX, u64::MAX).requests
+}
+
+/// The request went on unrouted, the VM is healthy, and the counter says why.
+pub fn assert_fail_open(gw: &Gateway, o: &Outcome, outcome: &str, before: u64) {
+    assert!(o.continued(), "request must continue: {:?}", o.state);
+    assert_eq!(dest(o), None, "no route header");
+    assert_eq!(
+        count(gw, outcome),
+        before + 1,
+        "counter {outcome}; debug: {}",
+        debug(o)
+    );
+    assert!(gw.errors().is_empty(), "no trap: {:?}", gw.errors());
+    assert_ne!(o.status(), Some(413));
+}
