@@ -266,6 +266,9 @@ pub struct UpstreamRequest {
     pub trailers: Option<Headers>,
 }
 
+/// A property path and value.
+type Property = (Vec<String>, Vec<u8>);
+
 type Upstream = Box<dyn FnMut(&UpstreamRequest) -> Response + Send>;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1072,7 +1075,7 @@ impl Gateway {
         };
         let deferred = std::mem::take(&mut vm.store.data_mut().deferred);
         // Override host and properties are read back into the stream after every call.
-        let snapshots: Vec<(u32, Option<Vec<u8>>, Vec<(Vec<String>, Vec<u8>)>)> = vm
+        let snapshots: Vec<(u32, Option<Vec<u8>>, Vec<Property>)> = vm
             .store
             .data()
             .contexts

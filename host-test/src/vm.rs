@@ -1322,6 +1322,7 @@ type F1 = TypedFunc<i32, ()>;
 type F2 = TypedFunc<(i32, i32), ()>;
 type F2R = TypedFunc<(i32, i32), i32>;
 type F3R = TypedFunc<(i32, i32, i32), i32>;
+type F5 = TypedFunc<(i32, i32, i32, i32, i32), ()>;
 
 #[derive(Default)]
 struct Exports {
@@ -1339,7 +1340,7 @@ struct Exports {
     on_response_headers: Option<F3R>,
     on_response_body: Option<F3R>,
     on_response_trailers: Option<F2R>,
-    on_http_call_response: Option<TypedFunc<(i32, i32, i32, i32, i32), ()>>,
+    on_http_call_response: Option<F5>,
     on_foreign_function: Option<TypedFunc<(i32, i32, i32), ()>>,
     on_done: Option<TypedFunc<i32, i32>>,
     on_log: Option<F1>,
