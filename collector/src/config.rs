@@ -189,7 +189,7 @@ impl Cli {
          -> Result<Duration, ConfigError> {
             match v {
                 None => Ok(default),
-                Some(s) if s.is_finite() && s >= 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+                Some(s) if (0.0..1e9).contains(&s) => Ok(Duration::from_secs_f64(s)),
                 Some(s) => Err(ConfigError::Value {
                     flag,
                     msg: format!("{s} is not a number of seconds"),

@@ -301,7 +301,7 @@ fn split_blocks(
     let bs = match block_size {
         Some(bs) if bs >= 1 && bs <= u32::MAX as i128 => bs as usize,
         // Older SGLang could omit it: one page per hash, tokens evenly spread.
-        None if tokens.len() % n == 0 && !tokens.is_empty() => tokens.len() / n,
+        None if tokens.len().is_multiple_of(n) && !tokens.is_empty() => tokens.len() / n,
         _ => {
             return Err(DecodeError::Value {
                 at,
@@ -666,12 +666,12 @@ impl<'a> Reader<'a> {
                     let len = self.array_len()?;
                     let mut parts = [None, None];
                     for j in 0..len {
-                        match self.str_bytes()? {
-                            Some(s) if j < 2 => {
-                                parts[j] = Some(String::from_utf8_lossy(s).into_owned())
+                        match (self.str_bytes()?, parts.get_mut(j)) {
+                            (Some(s), Some(slot)) => {
+                                *slot = Some(String::from_utf8_lossy(s).into_owned())
                             }
-                            Some(_) => {}
-                            None => self.skip(2)?,
+                            (Some(_), None) => {}
+                            (None, _) => self.skip(2)?,
                         }
                     }
                     let [a, b] = parts;

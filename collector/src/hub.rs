@@ -566,7 +566,11 @@ impl Hub {
         metrics.skip("capped", total.capped + chunk_stats.capped);
         metrics.skip("bad_block_size", total.bad_blocks);
         metrics.skip("unknown_removal", total.unknown_removals);
-        let ids = if worker == source { &[worker][..] } else { &[worker, source][..] };
+        let ids = if worker == source {
+            &[worker][..]
+        } else {
+            &[worker, source][..]
+        };
         for &id in ids {
             if let Some(w) = self.worker_mut(id) {
                 if id == source {
@@ -756,8 +760,7 @@ impl Hub {
             });
         }
         let index = &self.index;
-        self.feed
-            .build_snapshot(table, |f| index.for_each_hold(|w, t, k| f(w, t, k)));
+        self.feed.build_snapshot(table, |f| index.for_each_hold(f));
     }
 
     /// Updates the size gauges.

@@ -18,7 +18,13 @@ pub fn config() -> Config {
     }
 }
 
-pub fn registration(instance: &str, p: &Publisher, model: &str, tenant: Option<&str>, block_size: u32) -> RegisterRequest {
+pub fn registration(
+    instance: &str,
+    p: &Publisher,
+    model: &str,
+    tenant: Option<&str>,
+    block_size: u32,
+) -> RegisterRequest {
     RegisterRequest {
         instance_id: instance.into(),
         endpoint: p.endpoint.clone(),
@@ -36,14 +42,24 @@ pub fn registration(instance: &str, p: &Publisher, model: &str, tenant: Option<&
 /// Waits until `cond` holds. ZMQ PUB/SUB may drop what was sent before the subscription
 /// landed; when the condition is slow to come, an empty batch is published, whose sequence
 /// number makes the collector notice the gap and replay the rest.
-pub async fn eventually(state: &AppState, nudge: Option<&mut Publisher>, mut cond: impl FnMut(&Hub) -> bool) {
+pub async fn eventually(
+    state: &AppState,
+    nudge: Option<&mut Publisher>,
+    mut cond: impl FnMut(&Hub) -> bool,
+) {
     let until = tokio::time::Instant::now() + DEADLINE;
     let mut nudge = nudge;
     loop {
-        if state.wait_until(Duration::from_millis(250), &mut cond).await {
+        if state
+            .wait_until(Duration::from_millis(250), &mut cond)
+            .await
+        {
             return;
         }
-        assert!(tokio::time::Instant::now() < until, "condition not reached within {DEADLINE:?}");
+        assert!(
+            tokio::time::Instant::now() < until,
+            "condition not reached within {DEADLINE:?}"
+        );
         if let Some(p) = nudge.as_deref_mut() {
             p.publish(&[]).await;
         }
@@ -56,10 +72,20 @@ pub fn tokens(start: u32, n: u32) -> Vec<u32> {
 }
 
 pub fn query(hub: &Hub, tokens: &[u32], model: &str, tenant: Option<&str>) -> QueryResponse {
-    hub.query_tokens(tokens, model, tenant, None, None).expect("query")
+    hub.query_tokens(tokens, model, tenant, None, None)
+        .expect("query")
 }
 
 /// The longest match of `instance`, in tokens (0 when absent).
-pub fn longest(hub: &Hub, tokens: &[u32], model: &str, tenant: Option<&str>, instance: &str) -> u64 {
-    query(hub, tokens, model, tenant).instances.get(instance).map_or(0, |m| m.longest_matched)
+pub fn longest(
+    hub: &Hub,
+    tokens: &[u32],
+    model: &str,
+    tenant: Option<&str>,
+    instance: &str,
+) -> u64 {
+    query(hub, tokens, model, tenant)
+        .instances
+        .get(instance)
+        .map_or(0, |m| m.longest_matched)
 }

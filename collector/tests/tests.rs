@@ -8,3 +8,5 @@ mod common;
 mod zmq_flow;
 // Every HTTP endpoint, each bad input, and the tokens, through `app(state).oneshot`.
 mod http;
+// The binary: --help, bad flags, SIGTERM.
+mod cli;

@@ -31,7 +31,16 @@ async fn longest_match_after_stores() {
     assert_eq!(r.query_blocks, 12);
     let ia = &r.instances["a"];
     assert_eq!((ia.gpu, ia.cpu, ia.disk), (48, 48, 48));
-    assert_eq!(ia.address, a.endpoint.trim_start_matches("tcp://").split(':').next().unwrap().to_owned() + ":8000");
+    assert_eq!(
+        ia.address,
+        a.endpoint
+            .trim_start_matches("tcp://")
+            .split(':')
+            .next()
+            .unwrap()
+            .to_owned()
+            + ":8000"
+    );
     assert_eq!(ia.dp.get("0"), Some(&48));
     // A prompt that diverges after 5 blocks matches 5 blocks of a.
     let mut other = t.clone();
@@ -48,7 +57,11 @@ async fn removal_in_the_middle_of_a_chain_cuts_the_match() {
     p.publish(&[stored(None, 10, &t, 4)]).await;
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 40).await;
     // Evict the 4th block (hash 13): blocks 4.. go with it.
-    p.publish(&[KvEvent::BlockRemoved { hashes: vec![EngineHash(13)], tier: Tier::Gpu }]).await;
+    p.publish(&[KvEvent::BlockRemoved {
+        hashes: vec![EngineHash(13)],
+        tier: Tier::Gpu,
+    }])
+    .await;
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 12).await;
 }
 
@@ -61,7 +74,10 @@ async fn all_blocks_cleared_empties_the_worker() {
     p.publish(&[stored(None, 10, &t, 4)]).await;
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 16).await;
     p.publish(&[KvEvent::AllBlocksCleared]).await;
-    eventually(&state, Some(&mut p), |h| query(h, &t, M, None).instances.is_empty()).await;
+    eventually(&state, Some(&mut p), |h| {
+        query(h, &t, M, None).instances.is_empty()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -69,19 +85,32 @@ async fn two_tenants_with_the_same_tokens_are_kept_apart() {
     let state = Shared::new(config());
     let mut a = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
     let mut b = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
-    state.register(registration("a", &a, M, Some("tenant-a"), 4)).unwrap();
-    state.register(registration("b", &b, M, Some("tenant-b"), 4)).unwrap();
+    state
+        .register(registration("a", &a, M, Some("tenant-a"), 4))
+        .unwrap();
+    state
+        .register(registration("b", &b, M, Some("tenant-b"), 4))
+        .unwrap();
     let t = tokens(1, 32);
     a.publish(&[stored(None, 10, &t, 4)]).await;
     b.publish(&[stored(None, 10, &t[..8], 4)]).await;
-    eventually(&state, Some(&mut a), |h| longest(h, &t, M, Some("tenant-a"), "a") == 32).await;
-    eventually(&state, Some(&mut b), |h| longest(h, &t, M, Some("tenant-b"), "b") == 8).await;
+    eventually(&state, Some(&mut a), |h| {
+        longest(h, &t, M, Some("tenant-a"), "a") == 32
+    })
+    .await;
+    eventually(&state, Some(&mut b), |h| {
+        longest(h, &t, M, Some("tenant-b"), "b") == 8
+    })
+    .await;
     let hub = state.read();
     let ra = query(&hub, &t, M, Some("tenant-a"));
     let rb = query(&hub, &t, M, Some("tenant-b"));
     assert_eq!(ra.instances.keys().collect::<Vec<_>>(), vec!["a"]);
     assert_eq!(rb.instances.keys().collect::<Vec<_>>(), vec!["b"]);
-    assert!(hub.query_tokens(&t, M, None, None, None).is_err(), "the default tenant does not serve the model");
+    assert!(
+        hub.query_tokens(&t, M, None, None, None).is_err(),
+        "the default tenant does not serve the model"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -98,11 +127,18 @@ async fn a_gap_is_repaired_by_replay() {
         p.publish(&[stored(Some(21), 30, &t[16..24], 4)]).await;
         eventually(&state, None, |h| longest(h, &t, M, None, "a") == 24).await;
         let hub = state.read();
-        let w = hub.worker_views().into_iter().find(|w| w.instance_id == "a").unwrap();
+        let w = hub
+            .worker_views()
+            .into_iter()
+            .find(|w| w.instance_id == "a")
+            .unwrap();
         assert!(w.status.gaps >= 1, "{shape:?}: gap counted");
         assert_eq!(w.status.last_seq, Some(2));
         drop(hub);
-        assert!(state.metrics.encode().contains("kvroute_sequence_gaps_total"));
+        assert!(state
+            .metrics
+            .encode()
+            .contains("kvroute_sequence_gaps_total"));
     }
 }
 
@@ -114,7 +150,10 @@ async fn an_engine_restart_is_detected_and_the_sub_reconnects() {
     let old = tokens(1, 16);
     p.publish(&[stored(None, 10, &old, 4)]).await;
     p.publish(&[stored(Some(13), 20, &tokens(17, 4), 4)]).await;
-    eventually(&state, Some(&mut p), |h| longest(h, &old, M, None, "a") == 16).await;
+    eventually(&state, Some(&mut p), |h| {
+        longest(h, &old, M, None, "a") == 16
+    })
+    .await;
     // Same addresses, seq back to 0, empty cache: vLLM sends no AllBlocksCleared.
     let mut p = p.restart().await;
     let new = tokens(500, 8);
@@ -151,10 +190,13 @@ async fn disconnect_keeps_blocks_for_a_while_then_reconnect_resumes() {
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 8).await;
     let (endpoint, replay, next) = (p.endpoint.clone(), p.replay_endpoint.clone(), p.next_seq());
     p.close().await;
+    // Hold the port meanwhile, so that no other test's publisher gets it.
+    let hold = std::net::TcpListener::bind(endpoint.trim_start_matches("tcp://")).ok();
     eventually(&state, None, |h| h.workers().all(|w| !w.status.connected)).await;
     // Disconnected, but within keep_disconnected (60 s): the blocks stay.
     assert_eq!(longest(&state.read(), &t, M, None, "a"), 8);
     // The network comes back: same addresses, the engine's sequence goes on.
+    drop(hold);
     let mut p = Publisher::bind_on(&endpoint, &replay, Format::VllmMap, ReplayShape::New).await;
     p.resume_seq(next);
     p.publish(&[stored(Some(11), 20, &t[8..16], 4)]).await;
@@ -167,13 +209,19 @@ async fn disconnect_keeps_blocks_for_a_while_then_reconnect_resumes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_disconnected_too_long_loses_its_blocks() {
-    let state = Shared::new(Config { keep_disconnected: Duration::from_millis(200), ..config() });
+    let state = Shared::new(Config {
+        keep_disconnected: Duration::from_millis(200),
+        ..config()
+    });
     let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
     state.register(registration("a", &p, M, None, 4)).unwrap();
     let t = tokens(1, 16);
     p.publish(&[stored(None, 10, &t, 4)]).await;
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 16).await;
+    let endpoint = p.endpoint.clone();
     p.close().await;
+    // Hold the port, so that no other test's publisher gets it and the SUB reconnects there.
+    let _hold = std::net::TcpListener::bind(endpoint.trim_start_matches("tcp://")).ok();
     eventually(&state, None, |h| longest(h, &t, M, None, "a") == 0).await;
     assert!(state.read().workers().all(|w| !w.status.connected));
 }
@@ -190,7 +238,11 @@ async fn sglang_single_token_pages_are_rechunked_into_blocks() {
     // 10 tokens: two full blocks of 4; the last 2 tokens are a partial block.
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 8).await;
     // Evicting the page of token 6 (hash 1005) drops block 2 (tokens 5..8).
-    p.publish(&[KvEvent::BlockRemoved { hashes: vec![EngineHash(1005)], tier: Tier::Gpu }]).await;
+    p.publish(&[KvEvent::BlockRemoved {
+        hashes: vec![EngineHash(1005)],
+        tier: Tier::Gpu,
+    }])
+    .await;
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 4).await;
 }
 
@@ -214,27 +266,45 @@ async fn lora_and_salt_scopes_from_events() {
     state.register(registration("a", &p, M, None, 4)).unwrap();
     let t = tokens(1, 8);
     let mut ev = stored(None, 10, &t, 4);
-    if let KvEvent::BlockStored { lora_name, cache_salt, .. } = &mut ev {
+    if let KvEvent::BlockStored {
+        lora_name,
+        cache_salt,
+        ..
+    } = &mut ev
+    {
         *lora_name = Some("adapter".into());
         *cache_salt = Some("s1".into());
     }
     p.publish(&[ev]).await;
     eventually(&state, Some(&mut p), |h| {
-        h.query_tokens(&t, M, None, Some("adapter"), Some("s1")).is_ok_and(|r| r.instances.contains_key("a"))
+        h.query_tokens(&t, M, None, Some("adapter"), Some("s1"))
+            .is_ok_and(|r| r.instances.contains_key("a"))
     })
     .await;
     let hub = state.read();
-    assert!(query(&hub, &t, M, None).instances.is_empty(), "no LoRA, no salt: another scope");
-    assert!(hub.query_tokens(&t, M, None, Some("adapter"), None).unwrap().instances.is_empty());
+    assert!(
+        query(&hub, &t, M, None).instances.is_empty(),
+        "no LoRA, no salt: another scope"
+    );
+    assert!(hub
+        .query_tokens(&t, M, None, Some("adapter"), None)
+        .unwrap()
+        .instances
+        .is_empty());
     // The adapter's served name resolves through the alias the event published.
-    let r = hub.query_tokens(&t, "adapter", None, None, Some("s1")).unwrap();
+    let r = hub
+        .query_tokens(&t, "adapter", None, None, Some("s1"))
+        .unwrap();
     assert_eq!(r.instances["a"].longest_matched, 8);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn state_dir_restart_keeps_the_index_and_replays_the_rest() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = Config { state_dir: Some(dir.path().to_owned()), ..config() };
+    let cfg = Config {
+        state_dir: Some(dir.path().to_owned()),
+        ..config()
+    };
     let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
     let t = tokens(1, 24);
     {
@@ -244,7 +314,9 @@ async fn state_dir_restart_keeps_the_index_and_replays_the_rest() {
         eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 16).await;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         // Serve and shut down at once: the final snapshot is written on shutdown.
-        kvroute_collector::serve(listener, state, async {}).await.unwrap();
+        kvroute_collector::serve(listener, state, async {})
+            .await
+            .unwrap();
     }
     assert!(dir.path().join("state.json").exists());
     // While the collector is down the engine goes on.
@@ -261,6 +333,10 @@ async fn state_dir_restart_keeps_the_index_and_replays_the_rest() {
 async fn a_corrupt_state_snapshot_is_ignored() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("state.json"), b"\x00garbage").unwrap();
-    let state = kvroute_collector::start(Config { state_dir: Some(dir.path().to_owned()), ..config() }).unwrap();
+    let state = kvroute_collector::start(Config {
+        state_dir: Some(dir.path().to_owned()),
+        ..config()
+    })
+    .unwrap();
     assert_eq!(state.read().workers().count(), 0);
 }

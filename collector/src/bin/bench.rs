@@ -1,1 +1,840 @@
-fn main() {}
+//! `kvroute-collector-bench`: the collector's system benchmarks, printed as a markdown report,
+//! with NVIDIA Dynamo's standalone indexer (`python -m dynamo.indexer`) side by side when
+//! `--dynamo PYTHON` names a Python that has `ai-dynamo-runtime==1.6.1`.
+//!
+//! - **ingest**: engine-like publishers (`kvroute_collector::testing`) send pre-encoded vLLM
+//!   0.33 batches over real ZMQ on loopback; the time from the first send until the index holds
+//!   every block gives blocks/s. The collector runs on a tokio runtime with ONE worker thread;
+//!   the publishers on another.
+//! - **query**: an index of 100,000 blocks over 8 workers (worker `w` holds the first
+//!   `(w+1)·64` blocks of a 512-block prompt, the rest filler) is queried with that 8,192-token
+//!   prompt by a closed-loop HTTP/1.1 keep-alive load generator (this binary, on its own
+//!   runtime): sequential, then N concurrent connections. req/s, p50, p99.
+//! - **rss**: resident memory per million (block, holder) entries.
+//!
+//! Everything runs on this machine's loopback; every loop is bounded in count and time.
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::Parser;
+use kvroute::event::{EngineHash, KvEvent, StoredBlock, Tier};
+use kvroute_collector::testing::{encode_batch, Format, Publisher, ReplayShape};
+use kvroute_collector::wire::RegisterRequest;
+use kvroute_collector::{Config, Shared};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+#[derive(Parser, Debug)]
+#[command(about = "kvroute collector benchmarks (markdown report on stdout)")]
+struct Args {
+    /// Python with ai-dynamo-runtime 1.6.1, to run Dynamo's indexer side by side.
+    #[arg(long)]
+    dynamo: Option<String>,
+    /// Blocks ingested per run.
+    #[arg(long, default_value_t = 1_000_000)]
+    blocks: usize,
+    /// Concurrent connections of the /query load.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Seconds of each /query load phase.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Entries for the RSS measurement.
+    #[arg(long, default_value_t = 2_000_000)]
+    rss_entries: usize,
+}
+
+const BS: usize = 16;
+const MODEL: &str = "bench-model";
+
+fn main() {
+    let args = Args::parse();
+    let mut report = String::new();
+    report.push_str("# kvroute-collector benchmarks\n\n");
+    report.push_str(&format!(
+        "Machine: {} cores, `{}`. Command: `make bench` = `cargo run --profile bench -p kvroute-collector --bin kvroute-collector-bench -- --dynamo collector/.venv-bench/bin/python` (the venv: `python3 -m venv collector/.venv-bench && collector/.venv-bench/bin/pip install ai-dynamo-runtime==1.6.1`).\n\n",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned()))
+            .unwrap_or_default()
+    ));
+
+    let rss = rss_per_million(args.rss_entries);
+    eprintln!("rss: {rss:.1} MiB per million entries");
+
+    let mut rows = Vec::new();
+    for publishers in [1usize, 16] {
+        let ours = ingest_ours(publishers, args.blocks);
+        eprintln!("ingest ours {publishers}: {ours:?}");
+        let theirs = args
+            .dynamo
+            .as_deref()
+            .map(|py| ingest_dynamo(py, publishers, args.blocks));
+        eprintln!("ingest dynamo {publishers}: {theirs:?}");
+        rows.push((publishers, ours, theirs));
+    }
+    let q_ours = query_ours(&args);
+    eprintln!("query ours: {q_ours:?}");
+    let q_theirs = args.dynamo.as_deref().map(|py| query_dynamo(py, &args));
+    eprintln!("query dynamo: {q_theirs:?}");
+
+    report.push_str("## Ingest through real ZMQ sockets (vLLM 0.33 map events, 16-token blocks, 1,024 blocks per batch)\n\n");
+    report.push_str("| publishers | blocks | kvroute-collector (1 runtime thread) | Dynamo indexer `--threads 1` |\n|---|---|---|---|\n");
+    for (p, ours, theirs) in &rows {
+        report.push_str(&format!(
+            "| {p} | {} | {} | {} |\n",
+            args.blocks,
+            fmt_ingest(ours),
+            theirs.as_ref().map_or("not run".into(), fmt_ingest)
+        ));
+    }
+    report.push_str(&format!(
+        "\n## /query, 8,192 tokens, index of 100,000 blocks over 8 workers\n\nLoad: this binary's closed-loop HTTP/1.1 keep-alive clients on the same 2 cores as the server, {:.0} s per phase.\n\n",
+        args.seconds
+    ));
+    report.push_str("| server | sequential p50 | sequential p99 | concurrent req/s | concurrent p50 | concurrent p99 |\n|---|---|---|---|---|---|\n");
+    report.push_str(&fmt_query("kvroute-collector", &q_ours, args.concurrency));
+    if let Some(q) = &q_theirs {
+        report.push_str(&fmt_query(
+            "Dynamo indexer `--threads 1`",
+            q,
+            args.concurrency,
+        ));
+    }
+    report.push_str(
+        "\n## Memory\n\n| server | RSS per million (block, holder) entries |\n|---|---|\n",
+    );
+    report.push_str(&format!("| kvroute-collector | {rss:.1} MiB |\n"));
+    for (p, _, theirs) in &rows {
+        if let Some(Ok(t)) = theirs {
+            if let Some(r) = t.rss_mib_per_million {
+                report.push_str(&format!(
+                    "| Dynamo indexer ({p} publishers run) | {r:.1} MiB |\n"
+                ));
+            }
+        }
+    }
+    println!("{report}");
+}
+
+#[derive(Debug, Clone)]
+struct Ingest {
+    blocks: usize,
+    secs: f64,
+    gaps: u64,
+    rss_mib_per_million: Option<f64>,
+}
+
+fn fmt_ingest(r: &Result<Ingest, String>) -> String {
+    match r {
+        Ok(i) => format!(
+            "{:.2} M blocks/s ({:.2} s{})",
+            i.blocks as f64 / i.secs / 1e6,
+            i.secs,
+            if i.gaps > 0 {
+                format!(", {} gaps repaired", i.gaps)
+            } else {
+                String::new()
+            }
+        ),
+        Err(e) => format!("failed: {e}"),
+    }
+}
+
+#[derive(Debug, Clone)]
+struct QueryStats {
+    seq_p50_us: f64,
+    seq_p99_us: f64,
+    rps: f64,
+    p50_us: f64,
+    p99_us: f64,
+    errors: u64,
+}
+
+fn fmt_query(name: &str, q: &Result<QueryStats, String>, c: usize) -> String {
+    match q {
+        Ok(q) => format!(
+            "| {name} | {:.0} µs | {:.0} µs | {:.0} ({c} conns{}) | {:.0} µs | {:.0} µs |\n",
+            q.seq_p50_us,
+            q.seq_p99_us,
+            q.rps,
+            if q.errors > 0 {
+                format!(", {} errors", q.errors)
+            } else {
+                String::new()
+            },
+            q.p50_us,
+            q.p99_us
+        ),
+        Err(e) => format!("| {name} | failed: {e} | | | | |\n"),
+    }
+}
+
+fn runtime(threads: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+fn rss_bytes(pid: Option<u32>) -> Option<u64> {
+    let path = match pid {
+        Some(p) => format!("/proc/{p}/status"),
+        None => "/proc/self/status".into(),
+    };
+    let s = std::fs::read_to_string(path).ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Tokens of chain `chain`, block `i`: the first block names the chain, the rest repeat (the
+/// sequence hashes still differ through the chaining).
+fn chain_tokens(chain: usize, blocks: usize) -> Vec<u32> {
+    let mut t: Vec<u32> = (0..blocks * BS).map(|i| (i % 100) as u32).collect();
+    t[0] = (chain % 30_000) as u32 + 1000;
+    t[1] = (chain / 30_000) as u32 + 1000;
+    t
+}
+
+fn chain_event(chain: usize, blocks: usize) -> KvEvent {
+    let tokens = chain_tokens(chain, blocks);
+    KvEvent::BlockStored {
+        parent: None,
+        blocks: tokens
+            .chunks(BS)
+            .enumerate()
+            .map(|(i, t)| StoredBlock {
+                hash: EngineHash(((chain as u64) << 20) | i as u64 | 1 << 60),
+                tokens: t.to_vec(),
+            })
+            .collect(),
+        tier: Tier::Gpu,
+        lora_name: None,
+        cache_salt: None,
+    }
+}
+
+/// Pre-encoded payloads: per publisher, batches of 16 chains of 64 blocks (1,024 blocks).
+fn payloads(publishers: usize, blocks: usize) -> Vec<Vec<Bytes>> {
+    const CHAIN: usize = 64;
+    const PER_BATCH: usize = 16;
+    let chains = blocks / CHAIN;
+    let mut out = vec![Vec::new(); publishers];
+    let mut chain = 0;
+    let per_pub = chains / publishers;
+    for (p, batches) in out.iter_mut().enumerate() {
+        let mut left = per_pub + usize::from(p < chains % publishers);
+        while left > 0 {
+            let n = left.min(PER_BATCH);
+            let events: Vec<KvEvent> = (0..n).map(|i| chain_event(chain + i, CHAIN)).collect();
+            chain += n;
+            left -= n;
+            batches.push(Bytes::from(encode_batch(
+                Format::VllmMap,
+                1.0,
+                &events,
+                Some(0),
+            )));
+        }
+    }
+    out
+}
+
+fn reg(i: usize, p: &Publisher) -> RegisterRequest {
+    RegisterRequest {
+        instance_id: (i + 1).to_string(),
+        endpoint: p.endpoint.clone(),
+        replay_endpoint: Some(p.replay_endpoint.clone()),
+        model_name: MODEL.into(),
+        tenant_id: None,
+        block_size: BS as u32,
+        dp_rank: Some(0),
+        lora_name: None,
+        cache_salt: None,
+        address: Some(format!("127.0.0.1:{}", 18000 + i)),
+    }
+}
+
+fn ingest_ours(publishers: usize, blocks: usize) -> Result<Ingest, String> {
+    let payloads = payloads(publishers, blocks);
+    let total_blocks: usize = blocks / 64 * 64;
+    let server = runtime(1);
+    let client = runtime(1);
+    let mut pubs: Vec<Publisher> = client.block_on(async {
+        futures_join((0..publishers).map(|_| Publisher::bind(Format::VllmMap, ReplayShape::New)))
+            .await
+    });
+    let config = Config {
+        max_blocks_per_worker: 1 << 24,
+        feed_log_entries: 1 << 16,
+        ..Config::default()
+    };
+    let state = server.block_on(async {
+        let state = Shared::new(config);
+        for (i, p) in pubs.iter().enumerate() {
+            state.register(reg(i, p)).map_err(|e| e.to_string())?;
+        }
+        let ok = state
+            .wait_until(Duration::from_secs(10), |h| {
+                h.workers()
+                    .all(|w| w.status.connected && w.status.replays > 0)
+            })
+            .await;
+        if !ok {
+            return Err("publishers did not connect".to_string());
+        }
+        Ok(state)
+    })?;
+    // Let the subscriptions land before timing.
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    client.block_on(async {
+        let sends = pubs
+            .iter_mut()
+            .zip(payloads)
+            .map(|(p, batches)| async move {
+                for b in batches {
+                    p.publish_payload(b, true).await;
+                }
+            });
+        futures_join(sends).await;
+    });
+    let done = server.block_on(state.wait_until(Duration::from_secs(120), |h| {
+        h.index.stats().holds >= total_blocks
+    }));
+    let secs = started.elapsed().as_secs_f64();
+    let gaps = state.read().workers().map(|w| w.status.gaps).sum();
+    state.stop_subscribers();
+    if !done {
+        return Err(format!(
+            "only {} of {total_blocks} blocks after 120 s",
+            state.read().index.stats().holds
+        ));
+    }
+    drop(server);
+    client.block_on(async {
+        for p in pubs {
+            p.close().await;
+        }
+    });
+    Ok(Ingest {
+        blocks: total_blocks,
+        secs,
+        gaps,
+        rss_mib_per_million: None,
+    })
+}
+
+async fn futures_join<F: std::future::Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+    futures_util::future::join_all(futs).await
+}
+
+/// A running `python -m dynamo.indexer`.
+struct Dynamo {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Dynamo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(18090)
+}
+
+fn start_dynamo(python: &str) -> Result<Dynamo, String> {
+    let port = free_port();
+    let child = Command::new(python)
+        .args([
+            "-m",
+            "dynamo.indexer",
+            "--port",
+            &port.to_string(),
+            "--threads",
+            "1",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("starting {python} -m dynamo.indexer: {e}"))?;
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+    let d = Dynamo { child, addr };
+    let until = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < until {
+        if let Ok((200, _)) = http_blocking(addr, "GET", "/health", b"") {
+            return Ok(d);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err("Dynamo indexer did not answer /health within 30 s".into())
+}
+
+/// One blocking HTTP/1.1 request (setup and polling only).
+fn http_blocking(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> Result<(u16, Vec<u8>), String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    rt.block_on(async {
+        let mut s = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        let req = request_bytes(method, path, body);
+        s.write_all(&req).await.map_err(|e| e.to_string())?;
+        let mut buf = Vec::new();
+        read_response(&mut s, &mut buf).await
+    })
+}
+
+fn request_bytes(method: &str, path: &str, body: &[u8]) -> Vec<u8> {
+    let mut r = format!(
+        "{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    r.extend_from_slice(body);
+    r
+}
+
+/// Reads one response (content-length or chunked); returns status and body.
+async fn read_response(s: &mut TcpStream, buf: &mut Vec<u8>) -> Result<(u16, Vec<u8>), String> {
+    buf.clear();
+    let mut chunk = [0u8; 65536];
+    let header_end = loop {
+        if let Some(i) = find(buf, b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("connection closed".into());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..header_end]).to_ascii_lowercase();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    if let Some(len) = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        while buf.len() < header_end + len {
+            let n = s.read(&mut chunk).await.map_err(|e| e.to_string())?;
+            if n == 0 {
+                return Err("connection closed".into());
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        let body = buf[header_end..header_end + len].to_vec();
+        buf.drain(..header_end + len);
+        return Ok((status, body));
+    }
+    // Chunked: read until the last chunk.
+    while find(&buf[header_end..], b"0\r\n\r\n").is_none() {
+        let n = s.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let body = buf[header_end..].to_vec();
+    buf.clear();
+    Ok((status, body))
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+fn dynamo_register(d: &Dynamo, i: usize, p: &Publisher) -> Result<(), String> {
+    let body = serde_json::json!({
+        "instance_id": i as u64 + 1,
+        "endpoint": p.endpoint,
+        "replay_endpoint": p.replay_endpoint,
+        "model_name": MODEL,
+        "block_size": BS,
+        "dp_rank": 0,
+    });
+    match http_blocking(d.addr, "POST", "/register", body.to_string().as_bytes())? {
+        (200..=299, _) => Ok(()),
+        (s, b) => Err(format!("register: {s} {}", String::from_utf8_lossy(&b))),
+    }
+}
+
+/// Dynamo's longest match of `tokens` for `instance`, in tokens.
+fn dynamo_longest(d: &Dynamo, tokens: &[u32], instance: usize) -> u64 {
+    let body = serde_json::json!({"token_ids": tokens, "model_name": MODEL});
+    let Ok((200, b)) = http_blocking(d.addr, "POST", "/query", body.to_string().as_bytes()) else {
+        return 0;
+    };
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b) else {
+        return 0;
+    };
+    let id = (instance + 1).to_string();
+    let from_instances = v["instances"].as_object().and_then(|m| {
+        m.iter()
+            .filter(|(k, _)| **k == id || k.starts_with(&format!("{id}:")))
+            .filter_map(|(_, x)| x["longest_matched"].as_u64())
+            .max()
+    });
+    // Fallback: `scores` {worker: {dp_rank: tokens}}.
+    from_instances
+        .or_else(|| {
+            v["scores"][&id]
+                .as_object()
+                .and_then(|m| m.values().filter_map(|x| x.as_u64()).max())
+        })
+        .unwrap_or(0)
+}
+
+fn ingest_dynamo(python: &str, publishers: usize, blocks: usize) -> Result<Ingest, String> {
+    let d = start_dynamo(python)?;
+    let base_rss = rss_bytes(Some(d.child.id()));
+    let payloads = payloads(publishers, blocks);
+    let total_blocks = blocks / 64 * 64;
+    // The last chain of each publisher: matched in full means everything before it was applied.
+    let chains = blocks / 64;
+    let per_pub = chains / publishers;
+    let mut last_chain = Vec::new();
+    let mut c = 0;
+    for p in 0..publishers {
+        c += per_pub + usize::from(p < chains % publishers);
+        last_chain.push(c - 1);
+    }
+    let client = runtime(1);
+    let mut pubs: Vec<Publisher> = client.block_on(async {
+        futures_join((0..publishers).map(|_| Publisher::bind(Format::VllmMap, ReplayShape::New)))
+            .await
+    });
+    for (i, p) in pubs.iter().enumerate() {
+        dynamo_register(&d, i, p)?;
+    }
+    // Dynamo's subscriber loses what is published in its first ~1.5 s (runnable_peers.md).
+    std::thread::sleep(Duration::from_secs(2));
+    let started = Instant::now();
+    client.block_on(async {
+        let sends = pubs
+            .iter_mut()
+            .zip(payloads)
+            .map(|(p, batches)| async move {
+                for b in batches {
+                    p.publish_payload(b, true).await;
+                }
+            });
+        futures_join(sends).await;
+    });
+    let until = Instant::now() + Duration::from_secs(300);
+    for (i, &chain) in last_chain.iter().enumerate() {
+        let tokens = chain_tokens(chain, 64);
+        while dynamo_longest(&d, &tokens, i) < (64 * BS) as u64 {
+            if Instant::now() > until {
+                return Err(format!("publisher {i}: last chain not indexed after 300 s"));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let rss = rss_bytes(Some(d.child.id()));
+    let rss_mib_per_million = match (base_rss, rss) {
+        (Some(a), Some(b)) => {
+            Some((b.saturating_sub(a)) as f64 / (1 << 20) as f64 / (total_blocks as f64 / 1e6))
+        }
+        _ => None,
+    };
+    client.block_on(async {
+        for p in pubs {
+            p.close().await;
+        }
+    });
+    Ok(Ingest {
+        blocks: total_blocks,
+        secs,
+        gaps: 0,
+        rss_mib_per_million,
+    })
+}
+
+/// Events of the /query index: worker w holds the first (w+1)·64 blocks of the 512-block
+/// prompt, plus filler chains up to 12,500 blocks.
+fn query_index_batches() -> (Vec<u32>, Vec<Vec<Bytes>>) {
+    let prompt: Vec<u32> = (0..512 * BS as u32).map(|i| i * 7 % 50_000).collect();
+    let mut out = Vec::new();
+    for w in 0..8usize {
+        let mut batches = Vec::new();
+        let depth = (w + 1) * 64;
+        let ev = KvEvent::BlockStored {
+            parent: None,
+            blocks: prompt[..depth * BS]
+                .chunks(BS)
+                .enumerate()
+                .map(|(i, t)| StoredBlock {
+                    hash: EngineHash(1 << 62 | i as u64),
+                    tokens: t.to_vec(),
+                })
+                .collect(),
+            tier: Tier::Gpu,
+            lora_name: None,
+            cache_salt: None,
+        };
+        batches.push(Bytes::from(encode_batch(
+            Format::VllmMap,
+            1.0,
+            &[ev],
+            Some(0),
+        )));
+        let mut left = 12_500 - depth;
+        let mut chain = w * 1000;
+        while left > 0 {
+            let n = left.min(64);
+            let events = vec![chain_event(chain, n)];
+            chain += 1;
+            left -= n;
+            batches.push(Bytes::from(encode_batch(
+                Format::VllmMap,
+                1.0,
+                &events,
+                Some(0),
+            )));
+        }
+        out.push(batches);
+    }
+    (prompt, out)
+}
+
+fn query_ours(args: &Args) -> Result<QueryStats, String> {
+    let (prompt, batches) = query_index_batches();
+    let server = runtime(1);
+    let client = runtime(1);
+    let mut pubs: Vec<Publisher> = client.block_on(async {
+        futures_join((0..8).map(|_| Publisher::bind(Format::VllmMap, ReplayShape::New))).await
+    });
+    let (state, addr) = server.block_on(async {
+        let state = Shared::new(Config::default());
+        for (i, p) in pubs.iter().enumerate() {
+            state.register(reg(i, p)).map_err(|e| e.to_string())?;
+        }
+        state
+            .wait_until(Duration::from_secs(10), |h| {
+                h.workers().all(|w| w.status.replays > 0)
+            })
+            .await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| e.to_string())?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let s = state.clone();
+        tokio::spawn(
+            async move { kvroute_collector::serve(listener, s, std::future::pending()).await },
+        );
+        Ok::<_, String>((state, addr))
+    })?;
+    std::thread::sleep(Duration::from_millis(300));
+    client.block_on(async {
+        let sends = pubs.iter_mut().zip(batches).map(|(p, bs)| async move {
+            for b in bs {
+                p.publish_payload(b, true).await;
+            }
+        });
+        futures_join(sends).await;
+    });
+    let ok = server.block_on(state.wait_until(Duration::from_secs(60), |h| {
+        h.index.stats().holds >= 100_000
+    }));
+    if !ok {
+        return Err(format!(
+            "index has {} holds",
+            state.read().index.stats().holds
+        ));
+    }
+    let stats = load(addr, &prompt, args);
+    // Check the answer is right.
+    let check = server
+        .block_on(async { state.read().query_tokens(&prompt, MODEL, None, None, None) })
+        .map_err(|e| e.to_string())?;
+    if check.instances.get("8").map(|m| m.longest_matched) != Some(8192) {
+        return Err("wrong match for worker 8".into());
+    }
+    state.stop_subscribers();
+    stats
+}
+
+fn query_dynamo(python: &str, args: &Args) -> Result<QueryStats, String> {
+    let d = start_dynamo(python)?;
+    let (prompt, batches) = query_index_batches();
+    let client = runtime(1);
+    let mut pubs: Vec<Publisher> = client.block_on(async {
+        futures_join((0..8).map(|_| Publisher::bind(Format::VllmMap, ReplayShape::New))).await
+    });
+    for (i, p) in pubs.iter().enumerate() {
+        dynamo_register(&d, i, p)?;
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    client.block_on(async {
+        let sends = pubs.iter_mut().zip(batches).map(|(p, bs)| async move {
+            for b in bs {
+                p.publish_payload(b, true).await;
+            }
+        });
+        futures_join(sends).await;
+    });
+    let until = Instant::now() + Duration::from_secs(120);
+    while dynamo_longest(&d, &prompt, 7) < 8192 {
+        if Instant::now() > until {
+            return Err("Dynamo did not index the prompt".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Filler last: wait a little for the rest of the events.
+    std::thread::sleep(Duration::from_secs(1));
+    load(d.addr, &prompt, args)
+}
+
+/// Sequential then concurrent closed-loop load on `/query`.
+fn load(addr: SocketAddr, prompt: &[u32], args: &Args) -> Result<QueryStats, String> {
+    let body = serde_json::json!({"token_ids": prompt, "model_name": MODEL}).to_string();
+    let req = Arc::new(request_bytes("POST", "/query", body.as_bytes()));
+    let rt = runtime(1);
+    let dur = Duration::from_secs_f64(args.seconds);
+    let (seq, _, _) = rt.block_on(run_clients(addr, req.clone(), 1, dur))?;
+    let (mut lat, n, errors) = rt.block_on(run_clients(addr, req, args.concurrency, dur))?;
+    let mut seq = seq;
+    seq.sort_unstable();
+    lat.sort_unstable();
+    let pct = |v: &[u32], p: f64| {
+        v.get(((v.len() as f64 - 1.0) * p) as usize)
+            .copied()
+            .unwrap_or(0) as f64
+    };
+    Ok(QueryStats {
+        seq_p50_us: pct(&seq, 0.5),
+        seq_p99_us: pct(&seq, 0.99),
+        rps: n as f64 / dur.as_secs_f64(),
+        p50_us: pct(&lat, 0.5),
+        p99_us: pct(&lat, 0.99),
+        errors,
+    })
+}
+
+async fn run_clients(
+    addr: SocketAddr,
+    req: Arc<Vec<u8>>,
+    conns: usize,
+    dur: Duration,
+) -> Result<(Vec<u32>, usize, u64), String> {
+    let until = Instant::now() + dur;
+    let tasks: Vec<_> = (0..conns)
+        .map(|_| {
+            let req = req.clone();
+            tokio::spawn(async move {
+                let mut lat = Vec::new();
+                let mut errors = 0u64;
+                let mut s = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+                let _ = s.set_nodelay(true);
+                let mut buf = Vec::with_capacity(1 << 16);
+                // Bounded in time and count.
+                while Instant::now() < until && lat.len() < 10_000_000 {
+                    let t = Instant::now();
+                    s.write_all(&req).await.map_err(|e| e.to_string())?;
+                    let (status, _) = read_response(&mut s, &mut buf).await?;
+                    if status != 200 {
+                        errors += 1;
+                    }
+                    lat.push(t.elapsed().as_micros().min(u32::MAX as u128) as u32);
+                }
+                Ok::<_, String>((lat, errors))
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    let mut errors = 0;
+    for t in tasks {
+        let (lat, e) = t.await.map_err(|e| e.to_string())??;
+        all.extend(lat);
+        errors += e;
+    }
+    let n = all.len();
+    Ok((all, n, errors))
+}
+
+/// RSS per million (block, holder) entries: 8 workers share half their blocks.
+fn rss_per_million(entries: usize) -> f64 {
+    let rt = runtime(1);
+    rt.block_on(async {
+        let state = Shared::new(Config {
+            max_blocks_per_worker: 1 << 24,
+            feed_log_entries: 1,
+            ..Config::default()
+        });
+        let mut ids = Vec::new();
+        for i in 0..8 {
+            let r = RegisterRequest {
+                instance_id: format!("w{i}"),
+                endpoint: "tcp://127.0.0.1:1".into(),
+                replay_endpoint: None,
+                model_name: MODEL.into(),
+                tenant_id: None,
+                block_size: BS as u32,
+                dp_rank: None,
+                lora_name: None,
+                cache_salt: None,
+                address: Some("127.0.0.1:1".into()),
+            };
+            // Registered in the hub only: no subscriber needed.
+            match state.write().register(r) {
+                Ok(kvroute_collector::hub::Registered::New(id)) => ids.push(id),
+                other => panic!("register: {other:?}"),
+            }
+        }
+        let before = rss_bytes(None).unwrap_or(0);
+        let per_worker = entries / 8;
+        let mut chain = 0;
+        for (w, &id) in ids.iter().enumerate() {
+            let mut done = 0;
+            let mut seq = 0;
+            while done < per_worker {
+                // Workers pair up on the same chains: every block has 2 holders.
+                let c = chain + (w / 2) * 1_000_000;
+                let events: Vec<KvEvent> = (0..16).map(|i| chain_event(c + i, 64)).collect();
+                let batch = kvroute_collector::decode::decode(&encode_batch(
+                    Format::VllmMap,
+                    1.0,
+                    &events,
+                    Some(0),
+                ))
+                .expect("decode");
+                state.write().apply_batch(id, seq, batch, &state.metrics);
+                seq += 1;
+                chain += 16;
+                done += 16 * 64;
+            }
+            chain = 0;
+        }
+        let holds = state.read().index.stats().holds;
+        let after = rss_bytes(None).unwrap_or(0);
+        eprintln!(
+            "rss: {holds} holds, {} blocks",
+            state.read().index.stats().blocks
+        );
+        (after.saturating_sub(before)) as f64 / (1 << 20) as f64 / (holds as f64 / 1e6)
+    })
+}
