@@ -105,6 +105,25 @@ fn benches(c: &mut Criterion) {
     });
     g.finish();
 
+    let body = serde_json::json!({"token_ids": (0..8192u32).map(|i| i * 7 % 50_000).collect::<Vec<_>>(), "model_name": "m"}).to_string();
+    let mut g = c.benchmark_group("api");
+    g.bench_function("fastjson::parse_query/8192_tokens", |b| {
+        b.iter(|| {
+            black_box(kvroute_collector::fastjson::parse_query(black_box(body.as_bytes())).unwrap())
+        })
+    });
+    g.bench_function("serde_json::from_slice/8192_tokens", |b| {
+        b.iter(|| {
+            black_box(
+                serde_json::from_slice::<kvroute_collector::wire::QueryRequest>(black_box(
+                    body.as_bytes(),
+                ))
+                .unwrap(),
+            )
+        })
+    });
+    g.finish();
+
     let (mut h, ids) = hub();
     let prompt: Vec<u32> = (0..512 * BS as u32).map(|i| i * 7 % 50_000).collect();
     for (w, &id) in ids.iter().enumerate() {

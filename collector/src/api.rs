@@ -210,7 +210,13 @@ async fn query(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let req: QueryRequest = json(body)?;
+    let req: QueryRequest = match body {
+        Ok(bytes) => match crate::fastjson::parse_query(&bytes) {
+            Some(q) => q,
+            None => json(Ok(bytes))?,
+        },
+        Err(rej) => json(Err(rej))?,
+    };
     let res = state.read().query_tokens(
         &req.token_ids,
         &req.model_name,

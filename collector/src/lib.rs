@@ -11,7 +11,7 @@
 //! - [`chunk`]: SGLang pages → blocks of the registered size.
 //! - [`hub`]: the state behind one lock: worker table, index, feed log; apply and query.
 //! - [`feedlog`]: the bounded delta log and paged snapshots of `/v1/feed`.
-//! - [`api`]: the axum handlers, `app(state) -> Router`.
+//! - [`api`]: the axum handlers, `app(state) -> Router`; [`fastjson`]: the `/query` body fast path.
 //! - [`state`]: `--state-dir` snapshots.
 //! - [`config`]: command line and config file.
 //! - [`testing`]: an engine-like publisher (PUB + replay ROUTER) for tests and benchmarks.
@@ -23,6 +23,7 @@ pub mod api;
 pub mod chunk;
 pub mod config;
 pub mod decode;
+pub mod fastjson;
 pub mod feedlog;
 pub mod hub;
 pub mod metrics;

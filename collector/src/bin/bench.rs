@@ -623,7 +623,8 @@ fn query_index_batches() -> (Vec<u32>, Vec<Vec<Bytes>>) {
 
 fn query_ours(args: &Args) -> Result<QueryStats, String> {
     let (prompt, batches) = query_index_batches();
-    let server = runtime(1);
+    // HTTP serving may use both cores, as Dynamo's server does.
+    let server = runtime(2);
     let client = runtime(1);
     let mut pubs: Vec<Publisher> = client.block_on(async {
         futures_join((0..8).map(|_| Publisher::bind(Format::VllmMap, ReplayShape::New))).await
