@@ -117,7 +117,7 @@ def start_vllm_router(exe: str, stack: K.Stack) -> tuple[K.Proc, str]:
             "--kv-event-block-size", str(stack.cfg.block_size),
             "--kv-event-model", stack.cfg.model,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
-            "--log-level", "warn"]
+            "--log-level", "warning"]
     p = K.Proc("vllm-router", argv, stack.workdir / "vllm-router.log")
     url = f"http://127.0.0.1:{port}"
 
