@@ -99,6 +99,9 @@ pub struct ReplayConfig {
     pub timeout: Duration,
     /// Caps output tokens per request (the trace's `output_length` otherwise).
     pub max_output_tokens: Option<usize>,
+    /// Arrival-rate multiplier: trace gaps are divided by it (in simulated time), so 2.0 sends
+    /// the trace at twice its load. Default 1.0.
+    pub arrival_scale: f64,
 }
 
 impl Default for ReplayConfig {
@@ -110,6 +113,7 @@ impl Default for ReplayConfig {
             model: "sim-model".to_string(),
             timeout: Duration::from_secs(600),
             max_output_tokens: None,
+            arrival_scale: 1.0,
         }
     }
 }
@@ -255,7 +259,7 @@ pub async fn run(
     let start = Instant::now();
     let mut handles = Vec::with_capacity(n);
     for (index, rec) in trace[..n].iter().enumerate() {
-        let offset_s = (rec.timestamp.saturating_sub(t0)) as f64 / 1000.0;
+        let offset_s = (rec.timestamp.saturating_sub(t0)) as f64 / 1000.0 / cfg.arrival_scale.max(1e-9);
         let due = start + Duration::from_secs_f64(offset_s / speed);
         let rec = rec.clone();
         let client = client.clone();

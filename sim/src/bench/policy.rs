@@ -1,0 +1,275 @@
+//! The in-process routing policies of the bench: round-robin, least-request, kvroute (the
+//! real collector's `/query` answer + the core's `select::pick`) and the oracle (the same
+//! decision on every engine's exact cache contents).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use kvroute::select::{self, Candidate, SplitMix64, Weights};
+use serde_json::json;
+
+use crate::engine::Engine;
+use crate::replay::{BoxFuture, Decision, Route, RouteRequest};
+
+/// One engine as the routers see it.
+#[derive(Clone, Debug)]
+pub struct Slot {
+    pub url: String,
+    /// The engine's instance id (as registered with the collector).
+    pub instance_id: String,
+}
+
+/// Load the router itself has in flight per engine (what a gateway can count).
+#[derive(Debug)]
+struct Load {
+    requests: Vec<AtomicUsize>,
+    prefill_tokens: Vec<AtomicU64>,
+}
+
+impl Load {
+    fn new(n: usize) -> Load {
+        Load {
+            requests: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+            prefill_tokens: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    fn add(&self, slot: usize, uncached: usize) {
+        self.requests[slot].fetch_add(1, Ordering::Relaxed);
+        self.prefill_tokens[slot].fetch_add(uncached as u64, Ordering::Relaxed);
+    }
+
+    fn first_token(&self, slot: usize, uncached: usize) {
+        self.prefill_tokens[slot].fetch_sub(uncached as u64, Ordering::Relaxed);
+    }
+
+    fn done(&self, slot: usize) {
+        self.requests[slot].fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Round-robin over the engines.
+#[derive(Debug)]
+pub struct RoundRobin {
+    slots: Vec<Slot>,
+    next: AtomicUsize,
+}
+
+impl RoundRobin {
+    pub fn new(slots: Vec<Slot>) -> RoundRobin {
+        RoundRobin { slots, next: AtomicUsize::new(0) }
+    }
+}
+
+impl Route for RoundRobin {
+    fn route<'a>(&'a self, _req: RouteRequest<'a>) -> BoxFuture<'a, Decision> {
+        let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
+        let d = Decision { url: self.slots[slot].url.clone(), dp_rank: None, slot, uncached_tokens: 0 };
+        Box::pin(async move { d })
+    }
+}
+
+/// Fewest requests in flight; random among ties.
+#[derive(Debug)]
+pub struct LeastRequest {
+    slots: Vec<Slot>,
+    load: Load,
+    rng: Mutex<SplitMix64>,
+}
+
+impl LeastRequest {
+    pub fn new(slots: Vec<Slot>, seed: u64) -> LeastRequest {
+        let n = slots.len();
+        LeastRequest { slots, load: Load::new(n), rng: Mutex::new(SplitMix64(seed)) }
+    }
+}
+
+impl Route for LeastRequest {
+    fn route<'a>(&'a self, _req: RouteRequest<'a>) -> BoxFuture<'a, Decision> {
+        let loads: Vec<usize> = self.load.requests.iter().map(|a| a.load(Ordering::Relaxed)).collect();
+        let min = loads.iter().copied().min().unwrap_or(0);
+        let ties: Vec<usize> = (0..loads.len()).filter(|&i| loads[i] == min).collect();
+        let r = select::Random::next_u64(&mut *self.rng.lock().expect("rng"));
+        let slot = ties[(r % ties.len() as u64) as usize];
+        self.load.add(slot, 0);
+        let d = Decision { url: self.slots[slot].url.clone(), dp_rank: None, slot, uncached_tokens: 0 };
+        Box::pin(async move { d })
+    }
+    fn on_done(&self, d: &Decision) {
+        self.load.done(d.slot);
+    }
+}
+
+/// Where the KV-aware router learns what each engine caches.
+#[derive(Debug)]
+pub enum MatchSource {
+    /// The real kvroute collector, asked `POST /query` per request (the filter's remote mode).
+    Collector { client: reqwest::Client, url: String, model: String },
+    /// Every engine's cache, read exactly (in-process).
+    Oracle { engines: Vec<Engine> },
+}
+
+/// KV-aware routing: per-engine prefix matches (from `source`) and the router's own in-flight
+/// load, decided by the core's `select::pick`. When no engine holds a block of the prompt,
+/// `pick` declines and the request goes to the engine with the least queued prefill work (the
+/// same cost with no credit), as a least-loaded fallback balancer would.
+#[derive(Debug)]
+pub struct KvAware {
+    slots: Vec<Slot>,
+    source: MatchSource,
+    block_size: u32,
+    weights: Weights,
+    load: Load,
+    rng: Mutex<SplitMix64>,
+    /// Query failures (the request then falls back).
+    pub query_errors: AtomicU64,
+}
+
+impl KvAware {
+    pub fn new(slots: Vec<Slot>, source: MatchSource, block_size: u32, seed: u64) -> KvAware {
+        let n = slots.len();
+        KvAware {
+            slots,
+            source,
+            block_size,
+            weights: Weights::default(),
+            load: Load::new(n),
+            rng: Mutex::new(SplitMix64(seed)),
+            query_errors: AtomicU64::new(0),
+        }
+    }
+
+    /// Matched blocks `[gpu, cpu, disk]` and dp rank per slot.
+    async fn matches(&self, tokens: &[u32]) -> Vec<([u32; 3], u32)> {
+        let bs = self.block_size.max(1) as u64;
+        match &self.source {
+            MatchSource::Oracle { engines } => engines
+                .iter()
+                .map(|e| {
+                    let per_rank = e.cached_prefix_tokens(tokens);
+                    select::fold_ranks(
+                        per_rank.iter().enumerate().map(|(r, &t)| (r as u32, [(t as u64 / bs) as u32; 3])),
+                        &self.weights,
+                    )
+                })
+                .collect(),
+            MatchSource::Collector { client, url, model } => {
+                let mut out = vec![([0u32; 3], 0u32); self.slots.len()];
+                let resp = client
+                    .post(format!("{url}/query"))
+                    .json(&json!({"token_ids": tokens, "model_name": model}))
+                    .send()
+                    .await;
+                let parsed = match resp {
+                    Ok(r) if r.status().is_success() => r.json::<serde_json::Value>().await.ok(),
+                    _ => None,
+                };
+                let Some(v) = parsed else {
+                    self.query_errors.fetch_add(1, Ordering::Relaxed);
+                    return out;
+                };
+                let Some(instances) = v.get("instances").and_then(|i| i.as_object()) else { return out };
+                for (i, slot) in self.slots.iter().enumerate() {
+                    let Some(m) = instances.get(&slot.instance_id) else { continue };
+                    let tok = |k: &str| m.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+                    let (gpu, cpu, disk) = (tok("gpu"), tok("cpu").max(tok("gpu")), tok("disk").max(tok("longest_matched")));
+                    let ranks: Vec<(u32, [u32; 3])> = m
+                        .get("dp")
+                        .and_then(|d| d.as_object())
+                        .map(|d| {
+                            d.iter()
+                                .filter_map(|(r, t)| Some((r.parse().ok()?, [(t.as_u64()? / bs) as u32; 3])))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let rank = if ranks.len() > 1 { select::fold_ranks(ranks, &self.weights).1 } else { ranks.first().map_or(0, |r| r.0) };
+                    out[i] = ([(gpu / bs) as u32, (cpu / bs) as u32, (disk / bs) as u32], rank);
+                }
+                out
+            }
+        }
+    }
+}
+
+impl Route for KvAware {
+    fn route<'a>(&'a self, req: RouteRequest<'a>) -> BoxFuture<'a, Decision> {
+        Box::pin(async move {
+            let matches = self.matches(req.tokens).await;
+            let query_blocks = (req.tokens.len() / self.block_size.max(1) as usize) as u32;
+            let candidates: Vec<Candidate> = matches
+                .iter()
+                .enumerate()
+                .map(|(i, (m, rank))| Candidate {
+                    matched: *m,
+                    dp_rank: *rank,
+                    in_flight_requests: self.load.requests[i].load(Ordering::Relaxed) as u32,
+                    in_flight_prefill_tokens: self.load.prefill_tokens[i].load(Ordering::Relaxed),
+                })
+                .collect();
+            let (slot, rank) = {
+                let mut rng = self.rng.lock().expect("rng");
+                match select::pick(&candidates, query_blocks, self.block_size, &self.weights, &mut *rng) {
+                    Some(c) => (c.best, Some(c.dp_rank)),
+                    None => {
+                        let unmatched: Vec<Candidate> =
+                            candidates.iter().map(|c| Candidate { matched: [0; 3], ..*c }).collect();
+                        (least_cost(&unmatched, query_blocks, self.block_size, &self.weights, &mut *rng), None)
+                    }
+                }
+            };
+            let matched_tokens = matches[slot].0[2] as usize * self.block_size as usize;
+            let uncached = req.tokens.len().saturating_sub(matched_tokens);
+            self.load.add(slot, uncached);
+            Decision { url: self.slots[slot].url.clone(), dp_rank: rank, slot, uncached_tokens: uncached }
+        })
+    }
+    fn on_first_token(&self, d: &Decision) {
+        self.load.first_token(d.slot, d.uncached_tokens);
+    }
+    fn on_done(&self, d: &Decision) {
+        self.load.done(d.slot);
+    }
+}
+
+/// The cheapest candidate by `select::cost`, random among exact ties.
+fn least_cost(c: &[Candidate], query_blocks: u32, block_size: u32, w: &Weights, rng: &mut SplitMix64) -> usize {
+    let costs: Vec<f64> = c.iter().map(|c| select::cost(c, query_blocks, block_size, w)).collect();
+    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let ties: Vec<usize> = (0..c.len()).filter(|&i| costs[i] == min).collect();
+    ties[(select::Random::next_u64(rng) % ties.len() as u64) as usize]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slots(n: usize) -> Vec<Slot> {
+        (0..n).map(|i| Slot { url: format!("http://e{i}"), instance_id: format!("e{i}") }).collect()
+    }
+
+    #[test]
+    fn least_cost_prefers_less_queued_prefill() {
+        let c = [
+            Candidate { in_flight_prefill_tokens: 1000, ..Candidate::default() },
+            Candidate { in_flight_prefill_tokens: 10, ..Candidate::default() },
+        ];
+        assert_eq!(least_cost(&c, 4, 16, &Weights::default(), &mut SplitMix64(1)), 1);
+    }
+
+    #[tokio::test]
+    async fn least_request_balances_in_flight_requests() {
+        let lr = LeastRequest::new(slots(3), 1);
+        let mut ds = Vec::new();
+        for i in 0..6 {
+            ds.push(lr.route(RouteRequest { index: i, tokens: &[] }).await);
+        }
+        let mut per = [0; 3];
+        for d in &ds {
+            per[d.slot] += 1;
+        }
+        assert_eq!(per, [2, 2, 2]);
+        lr.on_done(&ds[0]);
+        let next = lr.route(RouteRequest { index: 6, tokens: &[] }).await;
+        assert_eq!(next.slot, ds[0].slot);
+    }
+}

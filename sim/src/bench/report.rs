@@ -1,0 +1,249 @@
+//! The bench's outputs: the results table (markdown), `results.json` and the PNG plots.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::replay::{RequestResult, Summary};
+
+/// Engine-side counters of one policy's run, per engine (from the engines themselves, so they
+/// hold whatever a peer router does to response headers).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct EngineLoad {
+    pub requests: Vec<u64>,
+    pub prompt_tokens: Vec<u64>,
+    pub cached_tokens: Vec<u64>,
+}
+
+impl EngineLoad {
+    /// Engine-side prefix hit rate: cached / prompt tokens.
+    pub fn hit_rate(&self) -> f64 {
+        let p: u64 = self.prompt_tokens.iter().sum();
+        let c: u64 = self.cached_tokens.iter().sum();
+        if p == 0 {
+            0.0
+        } else {
+            c as f64 / p as f64
+        }
+    }
+
+    /// Busiest engine's requests / mean.
+    pub fn request_spread(&self) -> f64 {
+        max_over_mean(&self.requests)
+    }
+
+    /// Busiest engine's computed (uncached) prefill tokens / mean.
+    pub fn prefill_spread(&self) -> f64 {
+        let v: Vec<u64> = self.prompt_tokens.iter().zip(&self.cached_tokens).map(|(p, c)| p - c).collect();
+        max_over_mean(&v)
+    }
+
+    /// Computed prefill tokens over the whole run.
+    pub fn computed_tokens(&self) -> u64 {
+        self.prompt_tokens.iter().sum::<u64>() - self.cached_tokens.iter().sum::<u64>()
+    }
+}
+
+fn max_over_mean(v: &[u64]) -> f64 {
+    let sum: u64 = v.iter().sum();
+    if v.is_empty() || sum == 0 {
+        return 0.0;
+    }
+    *v.iter().max().unwrap_or(&0) as f64 / (sum as f64 / v.len() as f64)
+}
+
+/// One policy's outcome.
+#[derive(Clone, Debug, Serialize)]
+pub struct PolicyResult {
+    pub policy: String,
+    /// `None` when it ran; otherwise why it was skipped.
+    pub skipped: Option<String>,
+    pub summary: Option<Summary>,
+    pub engines: EngineLoad,
+    /// Computed prefill tokens / (engines × prefill rate × duration): the fleet's prefill
+    /// utilization (≥ 1 means saturated).
+    pub prefill_utilization: f64,
+    /// Wall-clock seconds the run took.
+    pub wall_s: f64,
+    /// Requests whose index query failed (kvroute only).
+    pub query_errors: u64,
+    #[serde(skip)]
+    pub results: Vec<RequestResult>,
+}
+
+fn ms(s: f64) -> String {
+    if s.is_nan() {
+        "–".into()
+    } else if s < 10.0 {
+        format!("{:.0} ms", s * 1000.0)
+    } else {
+        format!("{s:.1} s")
+    }
+}
+
+/// The results table, markdown.
+pub fn table(results: &[PolicyResult]) -> String {
+    let mut t = String::new();
+    t.push_str("| policy | prefix hit rate | TTFT p50 | TTFT p90 | TTFT p99 | throughput (req/s) | tokens/s | max/mean requests | max/mean prefill | prefill util. | failed |\n");
+    t.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for r in results {
+        match (&r.summary, &r.skipped) {
+            (Some(s), None) => {
+                let _ = writeln!(
+                    t,
+                    "| {} | {:.1} % | {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.2} | {:.0} % | {} |",
+                    r.policy,
+                    r.engines.hit_rate() * 100.0,
+                    ms(s.ttft_p50_s),
+                    ms(s.ttft_p90_s),
+                    ms(s.ttft_p99_s),
+                    s.requests_per_s,
+                    s.tokens_per_s,
+                    r.engines.request_spread(),
+                    r.engines.prefill_spread(),
+                    r.prefill_utilization * 100.0,
+                    s.failed
+                );
+            }
+            (_, Some(why)) => {
+                let _ = writeln!(t, "| {} | skipped: {} | | | | | | | | | |", r.policy, why.replace('|', "/"));
+            }
+            _ => {}
+        }
+    }
+    t
+}
+
+/// Registers a system TTF font for plot text; false if none is found (plots are skipped).
+pub fn load_font() -> bool {
+    for p in [
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/TTF/DejaVuSans.ttf",
+        "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    ] {
+        if let Ok(bytes) = std::fs::read(p) {
+            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+];
+
+type PlotResult = Result<(), Box<dyn std::error::Error>>;
+
+/// TTFT CDF per policy, log time axis.
+pub fn plot_ttft_cdf(results: &[PolicyResult], path: &Path, title: &str) -> PlotResult {
+    let root = BitMapBackend::new(path, (1000, 620)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let all: Vec<f64> = results.iter().flat_map(|r| r.results.iter().filter_map(|x| x.ttft_s)).collect();
+    let lo = all.iter().copied().fold(f64::INFINITY, f64::min).max(1e-3);
+    let hi = all.iter().copied().fold(0.0, f64::max).max(lo * 10.0);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(55)
+        .build_cartesian_2d((lo * 0.8..hi * 1.2).log_scale(), 0.0..1.0)?;
+    chart
+        .configure_mesh()
+        .x_desc("time to first token (s, simulated)")
+        .y_desc("fraction of requests")
+        .label_style(("sans-serif", 15))
+        .draw()?;
+    for (i, r) in results.iter().filter(|r| r.skipped.is_none()).enumerate() {
+        let mut v: Vec<f64> = r.results.iter().filter_map(|x| x.ttft_s).collect();
+        v.sort_by(f64::total_cmp);
+        let n = v.len().max(1) as f64;
+        let color = COLORS[i % COLORS.len()];
+        chart
+            .draw_series(LineSeries::new(v.iter().enumerate().map(|(k, &t)| (t.max(lo), (k + 1) as f64 / n)), color.stroke_width(2)))?
+            .label(r.policy.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 15))
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// Prefix hit rate (cached / prompt tokens) per window of trace time, per policy.
+pub fn plot_hit_rate(results: &[PolicyResult], path: &Path, window_s: f64, title: &str) -> PlotResult {
+    let root = BitMapBackend::new(path, (1000, 620)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let end = results.iter().flat_map(|r| r.results.iter().map(|x| x.sent_at_s)).fold(0.0, f64::max).max(window_s);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0.0..end, 0.0..1.0)?;
+    chart
+        .configure_mesh()
+        .x_desc("trace time (s)")
+        .y_desc("prefix hit rate (cached / prompt tokens)")
+        .label_style(("sans-serif", 15))
+        .draw()?;
+    let buckets = (end / window_s).ceil() as usize;
+    for (i, r) in results.iter().filter(|r| r.skipped.is_none()).enumerate() {
+        let mut prompt = vec![0usize; buckets + 1];
+        let mut cached = vec![0usize; buckets + 1];
+        for x in r.results.iter().filter(|x| x.ok()) {
+            let b = (x.sent_at_s / window_s) as usize;
+            prompt[b] += x.prompt_tokens;
+            cached[b] += x.cached_tokens.unwrap_or(0);
+        }
+        let pts: Vec<(f64, f64)> = (0..=buckets)
+            .filter(|&b| prompt[b] > 0)
+            .map(|b| ((b as f64 + 0.5) * window_s, cached[b] as f64 / prompt[b] as f64))
+            .collect();
+        let color = COLORS[i % COLORS.len()];
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
+            .label(r.policy.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 15))
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spreads_and_hit_rate_come_from_engine_counters() {
+        let l = EngineLoad { requests: vec![3, 1, 2], prompt_tokens: vec![100, 100, 200], cached_tokens: vec![50, 0, 100] };
+        assert!((l.hit_rate() - 0.375).abs() < 1e-9);
+        assert!((l.request_spread() - 1.5).abs() < 1e-9);
+        assert!((l.prefill_spread() - 100.0 / (250.0 / 3.0)).abs() < 1e-9);
+        assert_eq!(l.computed_tokens(), 250);
+    }
+}
