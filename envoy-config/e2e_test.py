@@ -315,6 +315,49 @@ class E2E:
                        f"was killed and restarted: {bad[:5]}")
 
 
+    def test_remote_index_mode(self):
+        # A second Envoy over the same engines and collector, with the filter in remote mode:
+        # one /query callout per request instead of the synced shared-data index.
+        # query_timeout_ms is raised from 20 to 250 here only because CI machines are small
+        # and busy; a timeout fails open, which test_collector_killed_mid_run covers.
+        urls = self.s.start_extra_envoy("remote", {"INDEX_MODE": "remote",
+                                                   "QUERY_TIMEOUT_MS": 250})
+        e = self.s.engines[0]
+        t = fresh()
+        self.warm(e, t)
+        K.wait_until(lambda: self.s.routed_to(t, url=urls["kvroute"]) == e.address, 20,
+                     "remote-mode Envoy to route by cache", interval=0.1)
+        for i in range(3):
+            r, test_id = self.send(t + fresh(BS + i), url=urls["kvroute"])
+            self.expect_routed(r, test_id, e, f"remote mode, body prompt #{i}")
+        # No match -> unrouted, still served.
+        r, test_id = self.send(fresh(), url=urls["kvroute"])
+        entry = self.expect_served(r, test_id, "remote mode, uncached prefix")
+        check(not self.first_dest(entry), f"remote mode routed an uncached prefix: {entry}")
+
+    def test_dead_engine_retried_on_next_host(self):
+        # override_host does not check health: the cache holder is down -> connection refused
+        # -> Envoy retries on the next host of `best,runner-up` (or the fallback) -> served.
+        e = self.s.engines[1]
+        t = fresh()
+        self.warm_and_wait(e, t)
+        e.proc.kill()
+        try:
+            for i in range(3):
+                r, test_id = self.send(t + fresh(BS + i))
+                entry = self.log_of(test_id)
+                check(r.status == 200, f"cache holder down: status {r.status}, {entry}")
+                served = self.s.served_by(r)
+                check(served is not None and served is not e,
+                      f"cache holder down: served by {served}")
+                check(int(entry.get("attempts") or 0) >= 2 or self.first_dest(entry) != e.address,
+                      f"no retry recorded although the holder was chosen: {entry}")
+                if os.environ.get("KVROUTE_E2E_VERBOSE"):
+                    print("   ", entry)
+        finally:
+            self.s.start_engine(e)
+
+
 def test_envoy_validate() -> None:
     """The shipped template, rendered, passes `envoy --mode validate` (loads the real wasm)."""
     envoy = K.envoy_bin()
@@ -365,7 +408,8 @@ def main() -> int:
              "test_client_destination_header_ignored",
              "test_other_tenant_not_routed_by_this_tenants_cache",
              "test_malformed_body_fails_open", "test_oversized_body_fails_open",
-             "test_collector_killed_mid_run"]
+             "test_collector_killed_mid_run", "test_remote_index_mode",
+             "test_dead_engine_retried_on_next_host"]
     names = [n for n in order if n in names] + [n for n in names if n not in order]
     only = os.environ.get("KVROUTE_E2E_ONLY")
     if only:

@@ -323,6 +323,8 @@ class Stack:
         self.access_log = self.workdir / "access.log"
         self.collector: Proc | None = None
         self.envoy: Proc | None = None
+        self.extra_envoys: list[Proc] = []
+        self.extra_access_logs: list[Path] = []
 
     # ---- urls ---------------------------------------------------------------------------
     @property
@@ -371,7 +373,7 @@ class Stack:
             raise
 
     def stop(self) -> None:
-        for p in [self.envoy, self.collector] + [e.proc for e in self.engines]:
+        for p in self.extra_envoys + [self.envoy, self.collector] + [e.proc for e in self.engines]:
             if p is not None:
                 p.stop()
         if self._own_workdir and not os.environ.get("KVROUTE_KEEP_LOGS"):
@@ -502,6 +504,30 @@ class Stack:
             return r.status == 200 and b"LIVE" in r.body
         wait_until(ok, timeout, "envoy /ready")
 
+    def start_extra_envoy(self, name: str, values: dict[str, object],
+                          timeout: float = 60.0) -> dict[str, str]:
+        """A second Envoy over the same engines and collector with other template values
+        (e.g. INDEX_MODE=remote). Returns its URLs; stopped with the stack."""
+        ports = {"LISTEN_PORT": free_port(), "BASELINE_PORT": free_port(),
+                 "ADMIN_PORT": free_port()}
+        log_path = self.workdir / f"access-{name}.log"
+        v = {**self.envoy_values(), **ports, "ACCESS_LOG": str(log_path), **values}
+        cfg = self.workdir / f"envoy-{name}.yaml"
+        render.render_file(str(HERE / "envoy.yaml"), str(cfg), v)
+        p = Proc(f"envoy-{name}", self.envoy_argv(cfg), self.workdir / f"envoy-{name}.log")
+        self.extra_envoys.append(p)
+        self.extra_access_logs.append(log_path)
+        admin = f"http://127.0.0.1:{v['ADMIN_PORT']}"
+
+        def ok():
+            if not p.alive():
+                raise RuntimeError(f"envoy-{name} exited:\n{p.tail(40)}")
+            r = http("GET", admin + "/ready", timeout=2)
+            return r.status == 200 and b"LIVE" in r.body
+        wait_until(ok, timeout, f"envoy-{name} /ready")
+        return {"kvroute": f"http://127.0.0.1:{v['LISTEN_PORT']}",
+                "baseline": f"http://127.0.0.1:{v['BASELINE_PORT']}", "admin": admin}
+
     def envoy_stats(self, filt: str = "") -> dict[str, int]:
         r = http("GET", self.admin_url + "/stats?filter=" + filt, timeout=5)
         out: dict[str, int] = {}
@@ -522,15 +548,16 @@ class Stack:
 
     def access_log_entries(self) -> list[dict]:
         out = []
-        try:
-            with open(self.access_log, encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    try:
-                        out.append(json.loads(line))
-                    except ValueError:
-                        pass
-        except FileNotFoundError:
-            pass
+        for path in [self.access_log] + self.extra_access_logs:
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        try:
+                            out.append(json.loads(line))
+                        except ValueError:
+                            pass
+            except FileNotFoundError:
+                pass
         return out
 
     def access_log_for(self, test_id: str, timeout: float = 5.0) -> dict:
@@ -559,7 +586,8 @@ class Stack:
         wait_until(lambda: self.matched_tokens(tokens, engine) >= full, timeout,
                    f"collector to index {full} tokens on {engine.name}")
 
-    def routed_to(self, tokens: list[int], tenant: str | None = None) -> str | None:
+    def routed_to(self, tokens: list[int], tenant: str | None = None,
+                  url: str | None = None) -> str | None:
         """Where Envoy's kvroute listener routes `tokens` now: the first address of the
         destination header the filter set (from the access log), or None (failed open).
 
@@ -570,7 +598,7 @@ class Stack:
                    "x-kvroute-test-id": test_id}
         if tenant:
             headers["x-tenant-id"] = tenant
-        r = self.completion(self.kvroute_url, [7, 7, 7], extra_headers=headers)
+        r = self.completion(url or self.kvroute_url, [7, 7, 7], extra_headers=headers)
         if r.status != 200:
             return None
         d = self.access_log_for(test_id).get("dest")
