@@ -108,6 +108,18 @@ def wrk(wrk_bin: str, url: str, threads: int, conns: int, duration: str, bodies_
     raise RuntimeError(f"wrk gave no result ({' '.join(argv)}):\n{p.stdout[-2000:]}")
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """utime + stime of a process (all its threads), seconds; 0 if unknown."""
+    if not pid:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def start_vllm_router(exe: str, stack: K.Stack) -> tuple[K.Proc, str]:
     port, prom = K.free_port(), K.free_port()
     argv = [exe, "--host", "127.0.0.1", "--port", str(port),
@@ -185,13 +197,22 @@ def main() -> int:
             # `direct` sends every body to engine 0: at zero prefill cost a miss costs the
             # engine nothing more than a hit.
             runs: dict[str, dict[str, list[dict]]] = {t: {"lat": [], "tput": []} for t in targets}
+            # The proxy process whose CPU time per request is measured (contention-proof:
+            # CPU seconds do not grow when other work shares the cores, wall time does).
+            proxy_pid = {"direct": None, "envoy": stack.envoy.pid, "kvroute": stack.envoy.pid,
+                         "vllm-router": router.pid if router else None}
             for rnd in range(args.rounds):
                 for name, url in targets.items():
                     # warm-up connection pools and caches, not measured
                     wrk(wrk_bin, url, 1, 1, "1s", bdir, args.prompts, lua)
                     lat = wrk(wrk_bin, url, 1, 1, args.duration, bdir, args.prompts, lua)
+                    c0 = cpu_seconds(proxy_pid.get(name))
                     tput = wrk(wrk_bin, url, 2, args.connections, args.duration, bdir,
                                args.prompts, lua)
+                    c1 = cpu_seconds(proxy_pid.get(name))
+                    tput["proxy_cpu_us_per_req"] = (
+                        (c1 - c0) * 1e6 / tput["requests"] if proxy_pid.get(name) and
+                        tput["requests"] else None)
                     runs[name]["lat"].append(lat)
                     runs[name]["tput"].append(tput)
                     K.log(f"{size} tokens, round {rnd + 1}, {name}: p50 {lat['p50_us']} µs "
@@ -207,6 +228,10 @@ def main() -> int:
                     "rps_sequential": round(statistics.median(x["rps"] for x in r["lat"]), 1),
                     "rps": round(statistics.median(x["rps"] for x in r["tput"]), 1),
                     "errors": sum(x["errors"] + x["non_2xx"] for x in r["lat"] + r["tput"]),
+                    "proxy_cpu_us_per_req": (
+                        round(statistics.median(x["proxy_cpu_us_per_req"] for x in r["tput"]), 1)
+                        if all(x.get("proxy_cpu_us_per_req") is not None for x in r["tput"])
+                        else None),
                     "rounds": r,
                 }
             results["sizes"][size] = {"body_bytes": body_bytes, "targets": summary}
@@ -244,7 +269,7 @@ def write_markdown(results: dict, out: Path, args) -> None:
         f"{m['loadavg_end'][0]:.1f}), {m['envoy']}, {m['wrk']}.",
         "",
         "Setup: {e} `kvroute-sim engine` processes with zero prefill/decode cost; Envoy with "
-        "{c} worker threads; `POST /v1/completions` with `prompt` as a JSON int array, "
+        "{c} worker threads, V8 wasm runtime; `POST /v1/completions` with `prompt` as a JSON int array, "
         "{p} distinct prompts per size, each cached on one engine so that kvroute routes every "
         "request by cache (full path: body buffered and scanned, blocks hashed, index looked "
         "up, destination header set). Latency: `wrk -t1 -c1` (sequential requests, one "
@@ -253,17 +278,20 @@ def write_markdown(results: dict, out: Path, args) -> None:
                                      d=args.duration, n=args.connections, r=args.rounds),
         "",
         "| tokens | body | target | p50 µs | p90 µs | p99 µs | req/s (1 conn) | req/s "
-        f"({args.connections} conns) | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"({args.connections} conns) | proxy CPU µs/req | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, s in results["sizes"].items():
         for name, t in s["targets"].items():
+            cpu = t.get("proxy_cpu_us_per_req")
             lines.append(f"| {size} | {s['body_bytes'] / 1000:.0f} KB | {name} | {t['p50_us']:.0f} "
                          f"| {t['p90_us']:.0f} | {t['p99_us']:.0f} | {t['rps_sequential']:.0f} | "
-                         f"{t['rps']:.0f} | {t['errors']} |")
+                         f"{t['rps']:.0f} | {'-' if cpu is None else f'{cpu:.0f}'} | "
+                         f"{t['errors']} |")
     lines += ["", "Derived (kvroute against plain Envoy, same run):", "",
-              "| tokens | added p50 µs | added p99 µs | throughput ratio | target |",
-              "|---|---|---|---|---|"]
+              "| tokens | added p50 µs | added p99 µs | throughput ratio | added Envoy CPU µs/req "
+              "| target |",
+              "|---|---|---|---|---|---|"]
     for size, s in results["sizes"].items():
         t = s["targets"]
         if "kvroute" in t and "envoy" in t:
@@ -272,7 +300,10 @@ def write_markdown(results: dict, out: Path, args) -> None:
             ratio = t["kvroute"]["rps"] / t["envoy"]["rps"] if t["envoy"]["rps"] else 0
             ok = "met" if (a99 <= 100 and ratio >= 0.9) else "NOT met"
             tgt = f"≤ 100 µs p99, ≥ 90 %: {ok}" if int(size) >= 8192 else "-"
-            lines.append(f"| {size} | {a50:+.0f} | {a99:+.0f} | {100 * ratio:.1f} % | {tgt} |")
+            ck, ce = t["kvroute"].get("proxy_cpu_us_per_req"), t["envoy"].get("proxy_cpu_us_per_req")
+            dcpu = f"{ck - ce:+.0f}" if ck is not None and ce is not None else "-"
+            lines.append(f"| {size} | {a50:+.0f} | {a99:+.0f} | {100 * ratio:.1f} % | {dcpu} "
+                         f"| {tgt} |")
     if any("vllm-router" in s["targets"] for s in results["sizes"].values()):
         lines += ["", "Standalone KV-aware router in front of the same engines, same method "
                   "(added against the direct engine; kvroute's added figure here is kvroute "
