@@ -287,3 +287,24 @@ fn close_stream_resets_and_continue_during_the_callback_resumes() {
     assert_eq!(r.state, StreamState::Complete);
     assert!(r.continued());
 }
+
+#[test]
+fn grpc_stubs_and_done() {
+    let mut gw = probe("");
+    let r = gw.request().header("x-cmd", "grpc-other:c").send();
+    assert_eq!(
+        r.header("x-out-grpc-other"),
+        Some("Err(ParseFailure)|Err(NotFound)|Err(NotFound)|Err(NotFound)|Ok(())")
+    );
+}
+
+#[test]
+fn response_trailers_pass_the_filter() {
+    let mut gw = probe("");
+    let upstream = kvroute_host_test::Response::ok("body").trailer("grpc-status", "0");
+    let r = gw.request().upstream_response(upstream).send();
+    let trailers = r.response.unwrap().trailers.unwrap();
+    assert_eq!(trailers.get("grpc-status"), Some("0"));
+    assert_eq!(trailers.get("x-probe-trailer"), Some("seen"));
+    assert!(gw.log_contains("response_trailers 1"));
+}
