@@ -1,7 +1,7 @@
 //! The gateway: N worker VMs of one module sharing one `vm_id`, and the driver that moves
 //! streams through them the way Envoy's filter manager does.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
@@ -19,6 +19,10 @@ pub(crate) const CLOCK_ORIGIN_NANOS: u64 = 1_767_225_600_000_000_000;
 
 /// Envoy's default request buffer limit (`per_connection_buffer_limit_bytes`, 1 MiB).
 pub const DEFAULT_BUFFER_LIMIT_BYTES: usize = 1024 * 1024;
+
+/// Finished requests kept for [`Gateway::outcome`]; older ones are forgotten, so a benchmark
+/// can run millions of requests in bounded memory.
+pub const MAX_FINISHED_REQUESTS: usize = 4096;
 
 /// Which proxy the host imitates.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -207,6 +211,8 @@ impl GatewayBuilder {
             errors: Vec::new(),
             restarts: 0,
             fuel_total: 0,
+            dirty: BTreeSet::new(),
+            finished: VecDeque::new(),
         };
         gw.add_workers(self.workers)?;
         Ok(gw)
@@ -332,7 +338,6 @@ struct Stream {
     response_override: Option<Response>,
     reset: bool,
     fuel: u64,
-    dirty: bool,
     final_response: Option<Response>,
     override_host: Option<String>,
     properties: Vec<(Vec<String>, Vec<u8>)>,
@@ -372,6 +377,10 @@ pub struct Gateway {
     errors: Vec<HostError>,
     restarts: usize,
     fuel_total: u64,
+    /// Streams with something to do (a continue, a local reply, a reset, a new request).
+    dirty: BTreeSet<RequestId>,
+    /// Finished streams, oldest first, kept for [`Gateway::outcome`] up to a bound.
+    finished: VecDeque<RequestId>,
 }
 
 impl Gateway {
@@ -886,7 +895,8 @@ impl Gateway {
     /// The current outcome of a request.
     ///
     /// # Panics
-    /// If `id` is not a request of this gateway.
+    /// If `id` is not a request of this gateway, or one of the finished requests older than
+    /// the last [`MAX_FINISHED_REQUESTS`].
     pub fn outcome(&self, id: RequestId) -> Outcome {
         let st = self.streams.get(&id).expect("unknown request id");
         Outcome {
@@ -912,7 +922,7 @@ impl Gateway {
             Some(st) if st.phase == Phase::AwaitingResponse => {
                 st.canned_response = Some(response);
                 st.hold_response = false;
-                st.dirty = true;
+                self.dirty.insert(id);
             }
             _ => return false,
         }
@@ -926,7 +936,7 @@ impl Gateway {
         if let Some(st) = self.streams.get_mut(&id) {
             if st.phase != Phase::Done {
                 st.reset = true;
-                st.dirty = true;
+                self.dirty.insert(id);
             }
         }
         self.settle();
@@ -953,7 +963,6 @@ impl Gateway {
             response_override: None,
             reset: false,
             fuel: 0,
-            dirty: true,
             final_response: None,
             override_host: None,
             properties: Vec::new(),
@@ -962,6 +971,7 @@ impl Gateway {
             st.phase = Phase::Done;
             st.state = StreamState::Failed(HostError::VmFailed(worker));
             self.streams.insert(id, st);
+            self.retire(id);
             return id;
         };
         let created = vm.create_http_context(spec.properties);
@@ -971,6 +981,7 @@ impl Gateway {
         st.ctx = ctx;
         self.by_ctx.insert((worker, ctx), id);
         self.streams.insert(id, st);
+        self.dirty.insert(id);
         match created {
             Ok((_, fuel)) => self.account(worker, ctx, fuel),
             Err((_, e)) => {
@@ -995,13 +1006,7 @@ impl Gateway {
     /// answers by itself. Deterministic order.
     fn settle(&mut self) {
         loop {
-            if let Some(id) = self
-                .streams
-                .iter()
-                .find(|(_, s)| s.dirty)
-                .map(|(id, _)| *id)
-            {
-                self.streams.get_mut(&id).expect("stream").dirty = false;
+            if let Some(id) = self.dirty.pop_first() {
                 self.drive(id);
                 continue;
             }
@@ -1122,12 +1127,12 @@ impl Gateway {
                     let dir = st.dir(side);
                     if phase_ok && (dir.held || in_callback) {
                         dir.resume = true;
-                        st.dirty = true;
+                        self.dirty.insert(id);
                     }
                 }
                 Deferred::Close { .. } => {
                     st.reset = true;
-                    st.dirty = true;
+                    self.dirty.insert(id);
                 }
                 Deferred::Local { response, .. } => self.local_reply(id, response),
             }
@@ -1153,7 +1158,7 @@ impl Gateway {
         }
         response.body = local.body.clone();
         st.local = Some(local);
-        st.dirty = true;
+        self.dirty.insert(id);
         match st.phase {
             // The request is abandoned; the reply goes through the response callbacks.
             Phase::Request | Phase::AwaitingResponse => {
@@ -1435,11 +1440,23 @@ impl Gateway {
         }
     }
 
+    /// Keeps a finished stream for [`Gateway::outcome`], forgetting the oldest past the bound.
+    fn retire(&mut self, id: RequestId) {
+        self.dirty.remove(&id);
+        self.finished.push_back(id);
+        while self.finished.len() > MAX_FINISHED_REQUESTS {
+            if let Some(old) = self.finished.pop_front() {
+                self.streams.remove(&old);
+            }
+        }
+    }
+
     fn finish(&mut self, id: RequestId, state: StreamState) {
         let st = self.streams.get_mut(&id).expect("stream");
         st.phase = Phase::Done;
         st.state = state;
         let (worker, ctx) = (st.worker, st.ctx);
+        self.retire(id);
         let Some(Some(vm)) = self.vms.get_mut(worker) else {
             return;
         };
@@ -1467,8 +1484,8 @@ impl Gateway {
         for id in victims {
             let st = self.streams.get_mut(&id).expect("stream");
             st.phase = Phase::Done;
-            st.dirty = false;
             st.state = StreamState::Failed(error.clone());
+            self.retire(id);
         }
         // A stream that was finishing fails in its own on_log/on_done: it is still mapped.
         let finishing: Vec<RequestId> = self

@@ -108,7 +108,7 @@ mod vm;
 pub use abi::{LogLevel, MetricKind};
 pub use gateway::{
     built_wasm, wasm_path, Gateway, GatewayBuilder, Mode, RequestBuilder, UpstreamRequest,
-    DEFAULT_BUFFER_LIMIT_BYTES,
+    DEFAULT_BUFFER_LIMIT_BYTES, MAX_FINISHED_REQUESTS,
 };
 pub use headers::Headers;
 pub use types::{
