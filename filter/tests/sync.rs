@@ -294,17 +294,46 @@ fn a_resync_is_switched_in_whole_after_the_last_page() {
     sync(&mut gw);
     assert_eq!(*served.lock().unwrap(), 1);
     let before = count(&gw, "stale_index");
-    assert_fail_open(&gw, &complete(&mut gw, "m", &prompt), "stale_index", before);
+    let o = complete(&mut gw, "m", &prompt);
+    assert_fail_open(&gw, &o, "stale_index", before);
     sync(&mut gw);
     assert_eq!(*served.lock().unwrap(), 2);
-    assert_fail_open(
-        &gw,
-        &complete(&mut gw, "m", &prompt),
-        "stale_index",
-        before + 1,
-    );
+    let o = complete(&mut gw, "m", &prompt);
+    assert_fail_open(&gw, &o, "stale_index", before + 1);
     sync(&mut gw);
     let o = complete(&mut gw, "m", &prompt);
     assert_eq!(dest(&o), Some(A));
     assert!(debug(&o).contains("matched_tokens=64"), "{}", debug(&o));
+}
+
+#[test]
+fn a_new_epoch_replaces_the_index_and_an_outage_recovers() {
+    let feed = FakeCollector::new();
+    two_instances(&feed);
+    let prompt = tokens(0, 64);
+    feed.hold(0, &prompt, "default", "m", None, None);
+    let mut gw = gateway(&config(json!({})), 1);
+    feed.attach(&mut gw);
+    sync(&mut gw);
+    assert_eq!(best(&complete(&mut gw, "m", &prompt)), Some(A));
+    // Restarted with b holding the prompt: the snapshot replaces a's blocks.
+    feed.restart(false);
+    two_instances(&feed);
+    feed.hold(1, &prompt, "default", "m", None, None);
+    sync(&mut gw);
+    let o = complete(&mut gw, "m", &prompt);
+    assert_eq!(
+        dest(&o),
+        Some(format!("{B},{A}").as_str()),
+        "a only as runner-up: it holds nothing now"
+    );
+    // Down: stale after stale_after_ms, then back.
+    feed.set_down(true);
+    gw.advance(Duration::from_millis(5_100));
+    let before = count(&gw, "stale_index");
+    let o = complete(&mut gw, "m", &prompt);
+    assert_fail_open(&gw, &o, "stale_index", before);
+    feed.set_down(false);
+    sync(&mut gw);
+    assert_eq!(best(&complete(&mut gw, "m", &prompt)), Some(B));
 }
