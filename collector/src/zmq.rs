@@ -245,6 +245,9 @@ impl Subscriber {
                     _ = expiry => {
                         let n = self.shared.write().clear_blocks(self.source);
                         info!(endpoint = %self.endpoint, blocks = n, "disconnected too long; blocks dropped");
+                        // Start over: when the engine is back, what its replay buffer still
+                        // holds comes in again from seq 0.
+                        self.seq = Seq { last: None, recent: VecDeque::new() };
                         self.shared.notify();
                         drop_at = None;
                     }

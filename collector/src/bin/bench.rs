@@ -64,6 +64,7 @@ fn main() {
             .unwrap_or_default()
     ));
 
+    let load_before = loadavg();
     let rss = rss_per_million(args.rss_entries);
     eprintln!("rss: {rss:.1} MiB per million entries");
 
@@ -119,7 +120,22 @@ fn main() {
             }
         }
     }
+    report.push_str(&format!(
+        "\nMemory is the resident-set growth while the index is built (kvroute: {} entries, 8 workers, every block held by 2; \
+         Dynamo: the growth of the indexer process over the ingest run, 1 holder per block). \
+         kvroute's feed log (bounded, 1M entries by default, ~32 bytes each) is not included.\n\n\
+         Load average of the shared machine (1/5/15 min) before the run: {load_before}; after: {}. \
+         Other jobs were running: figures are indicative, run again on a quiet machine to compare.\n",
+        args.rss_entries,
+        loadavg()
+    ));
     println!("{report}");
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
 }
 
 #[derive(Debug, Clone)]
@@ -211,7 +227,7 @@ fn chain_event(chain: usize, blocks: usize) -> KvEvent {
             .chunks(BS)
             .enumerate()
             .map(|(i, t)| StoredBlock {
-                hash: EngineHash(((chain as u64) << 20) | i as u64 | 1 << 60),
+                hash: engine_hash(chain as u64, i as u64),
                 tokens: t.to_vec(),
             })
             .collect(),
@@ -219,6 +235,15 @@ fn chain_event(chain: usize, blocks: usize) -> KvEvent {
         lora_name: None,
         cache_salt: None,
     }
+}
+
+/// An engine hash as vLLM and SGLang make them: uniformly distributed (sha256-derived).
+fn engine_hash(chain: u64, i: u64) -> EngineHash {
+    // splitmix64 of (chain, i).
+    let mut z = (chain << 20 | i).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    EngineHash(z ^ (z >> 31))
 }
 
 /// Pre-encoded payloads: per publisher, batches of 16 chains of 64 blocks (1,024 blocks).
@@ -588,7 +613,7 @@ fn query_index_batches() -> (Vec<u32>, Vec<Vec<Bytes>>) {
                 .chunks(BS)
                 .enumerate()
                 .map(|(i, t)| StoredBlock {
-                    hash: EngineHash(1 << 62 | i as u64),
+                    hash: engine_hash(1 << 40, i as u64),
                     tokens: t.to_vec(),
                 })
                 .collect(),
