@@ -37,9 +37,9 @@ struct Args {
     /// Blocks ingested per run.
     #[arg(long, default_value_t = 1_000_000)]
     blocks: usize,
-    /// Concurrent connections of the /query load.
-    #[arg(long, default_value_t = 32)]
-    concurrency: usize,
+    /// Concurrent connections of each /query load phase, after a sequential one.
+    #[arg(long, value_delimiter = ',', default_value = "4,16,64")]
+    concurrency: Vec<usize>,
     /// Seconds of each /query load phase.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
@@ -98,14 +98,10 @@ fn main() {
         "\n## /query, 8,192 tokens, index of 100,000 blocks over 8 workers\n\nLoad: this binary's closed-loop HTTP/1.1 keep-alive clients on the same 2 cores as the server, {:.0} s per phase.\n\n",
         args.seconds
     ));
-    report.push_str("| server | sequential p50 | sequential p99 | concurrent req/s | concurrent p50 | concurrent p99 |\n|---|---|---|---|---|---|\n");
-    report.push_str(&fmt_query("kvroute-collector", &q_ours, args.concurrency));
+    report.push_str("| server | connections | req/s | p50 | p99 |\n|---|---|---|---|---|\n");
+    report.push_str(&fmt_query("kvroute-collector", &q_ours));
     if let Some(q) = &q_theirs {
-        report.push_str(&fmt_query(
-            "Dynamo indexer `--threads 1`",
-            q,
-            args.concurrency,
-        ));
+        report.push_str(&fmt_query("Dynamo indexer `--threads 1`", q));
     }
     report.push_str(
         "\n## Memory\n\n| server | RSS per million (block, holder) entries |\n|---|---|\n",
@@ -163,31 +159,36 @@ fn fmt_ingest(r: &Result<Ingest, String>) -> String {
 }
 
 #[derive(Debug, Clone)]
-struct QueryStats {
-    seq_p50_us: f64,
-    seq_p99_us: f64,
+struct Phase {
+    conns: usize,
     rps: f64,
     p50_us: f64,
     p99_us: f64,
     errors: u64,
 }
 
-fn fmt_query(name: &str, q: &Result<QueryStats, String>, c: usize) -> String {
+type QueryStats = Vec<Phase>;
+
+fn fmt_query(name: &str, q: &Result<QueryStats, String>) -> String {
     match q {
-        Ok(q) => format!(
-            "| {name} | {:.0} µs | {:.0} µs | {:.0} ({c} conns{}) | {:.0} µs | {:.0} µs |\n",
-            q.seq_p50_us,
-            q.seq_p99_us,
-            q.rps,
-            if q.errors > 0 {
-                format!(", {} errors", q.errors)
-            } else {
-                String::new()
-            },
-            q.p50_us,
-            q.p99_us
-        ),
-        Err(e) => format!("| {name} | failed: {e} | | | | |\n"),
+        Ok(phases) => phases
+            .iter()
+            .map(|p| {
+                format!(
+                    "| {name} | {}{} | {:.0} | {:.0} µs | {:.0} µs |\n",
+                    p.conns,
+                    if p.errors > 0 {
+                        format!(" ({} errors)", p.errors)
+                    } else {
+                        String::new()
+                    },
+                    p.rps,
+                    p.p50_us,
+                    p.p99_us
+                )
+            })
+            .collect(),
+        Err(e) => format!("| {name} | failed: {e} | | | |\n"),
     }
 }
 
@@ -735,30 +736,30 @@ fn query_dynamo(python: &str, args: &Args) -> Result<QueryStats, String> {
     load(d.addr, &prompt, args)
 }
 
-/// Sequential then concurrent closed-loop load on `/query`.
+/// Sequential, then concurrent closed-loop load phases on `/query`.
 fn load(addr: SocketAddr, prompt: &[u32], args: &Args) -> Result<QueryStats, String> {
     let body = serde_json::json!({"token_ids": prompt, "model_name": MODEL}).to_string();
     let req = Arc::new(request_bytes("POST", "/query", body.as_bytes()));
     let rt = runtime(1);
     let dur = Duration::from_secs_f64(args.seconds);
-    let (seq, _, _) = rt.block_on(run_clients(addr, req.clone(), 1, dur))?;
-    let (mut lat, n, errors) = rt.block_on(run_clients(addr, req, args.concurrency, dur))?;
-    let mut seq = seq;
-    seq.sort_unstable();
-    lat.sort_unstable();
     let pct = |v: &[u32], p: f64| {
         v.get(((v.len() as f64 - 1.0) * p) as usize)
             .copied()
             .unwrap_or(0) as f64
     };
-    Ok(QueryStats {
-        seq_p50_us: pct(&seq, 0.5),
-        seq_p99_us: pct(&seq, 0.99),
-        rps: n as f64 / dur.as_secs_f64(),
-        p50_us: pct(&lat, 0.5),
-        p99_us: pct(&lat, 0.99),
-        errors,
-    })
+    let mut phases = Vec::new();
+    for conns in std::iter::once(1).chain(args.concurrency.iter().copied()) {
+        let (mut lat, n, errors) = rt.block_on(run_clients(addr, req.clone(), conns, dur))?;
+        lat.sort_unstable();
+        phases.push(Phase {
+            conns,
+            rps: n as f64 / dur.as_secs_f64(),
+            p50_us: pct(&lat, 0.5),
+            p99_us: pct(&lat, 0.99),
+            errors,
+        });
+    }
+    Ok(phases)
 }
 
 async fn run_clients(
