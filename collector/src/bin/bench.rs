@@ -56,7 +56,7 @@ fn main() {
     let mut report = String::new();
     report.push_str("# kvroute-collector benchmarks\n\n");
     report.push_str(&format!(
-        "Machine: {} cores, `{}`. Command: `make bench` = `cargo run --profile bench -p kvroute-collector --bin kvroute-collector-bench -- --dynamo collector/.venv-bench/bin/python` (the venv: `python3 -m venv collector/.venv-bench && collector/.venv-bench/bin/pip install ai-dynamo-runtime==1.6.1`).\n\n",
+        "Machine: {} cores, `{}`. Command: `bash collector/bench.sh` (creates `collector/.venv-bench` with `ai-dynamo-runtime==1.6.1`, builds with `--profile bench`, runs `kvroute-collector-bench --dynamo collector/.venv-bench/bin/python`, writes this file).\n\n",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         std::fs::read_to_string("/proc/cpuinfo")
             .ok()
