@@ -810,6 +810,238 @@ mod tests {
         assert!(matches!(decode(&ok), Err(DecodeError::Value { .. })));
     }
 
+    /// A tiny msgpack writer for hand-made events.
+    enum V {
+        Nil,
+        U(u64, u8),
+        I(i64, u8),
+        S(&'static str),
+        B(Vec<u8>),
+        A(Vec<V>),
+        M(Vec<(&'static str, V)>, bool),
+    }
+
+    fn enc(v: &V, w: &mut Vec<u8>) {
+        match v {
+            V::Nil => w.push(0xc0),
+            V::U(x, 0) => w.push(*x as u8),
+            V::U(x, m) => {
+                w.push(*m);
+                let n = 1usize << (m - 0xcc);
+                w.extend_from_slice(&x.to_be_bytes()[8 - n..]);
+            }
+            V::I(x, m) => {
+                w.push(*m);
+                let n = 1usize << (m - 0xd0);
+                w.extend_from_slice(&x.to_be_bytes()[8 - n..]);
+            }
+            V::S(s) => {
+                w.push(0xa0 | s.len() as u8);
+                w.extend_from_slice(s.as_bytes());
+            }
+            V::B(b) => {
+                w.push(0xc4);
+                w.push(b.len() as u8);
+                w.extend_from_slice(b);
+            }
+            V::A(items) => {
+                w.push(0xdc);
+                w.extend_from_slice(&(items.len() as u16).to_be_bytes());
+                items.iter().for_each(|i| enc(i, w));
+            }
+            V::M(items, wide) => {
+                if *wide {
+                    w.push(0xdf);
+                    w.extend_from_slice(&(items.len() as u32).to_be_bytes());
+                } else {
+                    w.push(0x80 | items.len() as u8);
+                }
+                for (k, v) in items {
+                    enc(&V::S(k), w);
+                    enc(v, w);
+                }
+            }
+        }
+    }
+
+    fn batch_of(events: Vec<V>) -> Vec<u8> {
+        let mut w = Vec::new();
+        enc(&V::A(vec![V::U(1, 0), V::A(events), V::U(2, 0xcd)]), &mut w);
+        w
+    }
+
+    fn map_stored(extra: Vec<(&'static str, V)>) -> V {
+        let mut fields = vec![
+            ("type", V::S("BlockStored")),
+            ("block_hashes", V::A(vec![V::U(9, 0xce)])),
+            ("parent_block_hash", V::Nil),
+            (
+                "token_ids",
+                V::A(vec![
+                    V::U(1, 0),
+                    V::U(300, 0xcd),
+                    V::U(70_000, 0xce),
+                    V::U(5, 0xcf),
+                ]),
+            ),
+            ("block_size", V::U(4, 0xcc)),
+            ("medium", V::S("CPU_PINNED")),
+        ];
+        fields.extend(extra);
+        V::M(fields, true)
+    }
+
+    #[test]
+    fn other_groups_and_kinds_are_skipped_and_counted() {
+        let b = decode(&batch_of(vec![
+            map_stored(vec![("group_idx", V::U(1, 0))]),
+            map_stored(vec![("kv_cache_spec_kind", V::S("sliding_window"))]),
+            map_stored(vec![
+                ("group_idx", V::U(0, 0)),
+                ("kv_cache_spec_kind", V::S("full_attention")),
+            ]),
+            V::A(vec![
+                V::S("BlockRemoved"),
+                V::A(vec![V::I(-5, 0xd0)]),
+                V::S("GPU"),
+                V::U(2, 0),
+            ]),
+            V::M(vec![("type", V::S("SomethingNew"))], false),
+        ]))
+        .unwrap();
+        assert_eq!(b.stats.skipped_other_group, 3);
+        assert_eq!(b.stats.skipped_unknown, 1);
+        assert_eq!(b.events.len(), 1);
+        assert_eq!(b.dp_rank, Some(2));
+        match &b.events[0] {
+            KvEvent::BlockStored { blocks, tier, .. } => {
+                assert_eq!(
+                    blocks[0].tokens,
+                    vec![1, 300, 70_000, 5],
+                    "every integer width"
+                );
+                assert_eq!(*tier, Tier::Cpu);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn lora_id_only_is_counted_and_names_no_lora() {
+        let b = decode(&batch_of(vec![map_stored(vec![
+            ("lora_id", V::U(3, 0)),
+            ("lora_name", V::Nil),
+        ])]))
+        .unwrap();
+        assert_eq!(b.stats.lora_id_only, 1);
+        assert!(matches!(
+            &b.events[0],
+            KvEvent::BlockStored {
+                lora_name: None,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn salts_from_vllm_extra_keys_and_sglang_fields() {
+        let extra = V::A(vec![
+            V::A(vec![
+                V::S("my-lora"),
+                V::A(vec![V::S("mmhash"), V::U(0, 0)]),
+                V::S("salty"),
+            ]),
+            V::Nil,
+        ]);
+        let b = decode(&batch_of(vec![map_stored(vec![
+            ("lora_name", V::S("my-lora")),
+            ("extra_keys", extra),
+        ])]))
+        .unwrap();
+        assert!(
+            matches!(&b.events[0], KvEvent::BlockStored { cache_salt: Some(s), lora_name: Some(l), .. } if s == "salty" && l == "my-lora")
+        );
+        // SGLang 0.5.20+ map field.
+        let b = decode(&batch_of(vec![map_stored(vec![(
+            "cache_salt",
+            V::S("s2"),
+        )])]))
+        .unwrap();
+        assert!(
+            matches!(&b.events[0], KvEvent::BlockStored { cache_salt: Some(s), .. } if s == "s2")
+        );
+        // SGLang 0.5.18 BlockStoredWithMetadata: trailing {"cache_salt": s}.
+        let ev = V::A(vec![
+            V::S("BlockStored"),
+            V::A(vec![V::I(-7, 0xd3)]),
+            V::Nil,
+            V::A(vec![V::U(1, 0), V::U(2, 0)]),
+            V::U(2, 0),
+            V::Nil,
+            V::S("GPU"),
+            V::M(vec![("cache_salt", V::S("s3"))], false),
+        ]);
+        let b = decode(&batch_of(vec![ev])).unwrap();
+        match &b.events[0] {
+            KvEvent::BlockStored {
+                cache_salt, blocks, ..
+            } => {
+                assert_eq!(cache_salt.as_deref(), Some("s3"));
+                assert_eq!(
+                    blocks[0].hash,
+                    EngineHash(-7i64 as u64),
+                    "i64 hashes keep their bits"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn byte_hashes_take_the_last_8_bytes_big_endian_left_padded() {
+        let long: Vec<u8> = (1..=32).collect();
+        let ev = V::M(
+            vec![
+                ("type", V::S("BlockRemoved")),
+                ("block_hashes", V::A(vec![V::B(long), V::B(vec![1, 2])])),
+            ],
+            false,
+        );
+        let b = decode(&batch_of(vec![ev])).unwrap();
+        assert_eq!(
+            b.events[0],
+            KvEvent::BlockRemoved {
+                hashes: vec![EngineHash(0x191a_1b1c_1d1e_1f20), EngineHash(0x0102)],
+                tier: Tier::Gpu
+            }
+        );
+    }
+
+    #[test]
+    fn sglang_partial_last_page_keeps_its_tokens() {
+        let ev = V::A(vec![
+            V::S("BlockStored"),
+            V::A(vec![V::U(1, 0), V::U(2, 0)]),
+            V::Nil,
+            V::A(vec![
+                V::U(1, 0),
+                V::U(2, 0),
+                V::U(3, 0),
+                V::U(4, 0),
+                V::U(5, 0),
+            ]),
+            V::U(3, 0),
+        ]);
+        let b = decode(&batch_of(vec![ev])).unwrap();
+        match &b.events[0] {
+            KvEvent::BlockStored { blocks, .. } => {
+                assert_eq!(blocks[0].tokens, vec![1, 2, 3]);
+                assert_eq!(blocks[1].tokens, vec![4, 5]);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     proptest! {
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
