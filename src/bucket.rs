@@ -27,7 +27,6 @@
 //! filter implements over proxy-wasm host calls and tests implement over a map.
 
 use core::cell::{Cell, RefCell};
-use core::fmt::Write as _;
 
 use crate::event::{Tier, WorkerId};
 use crate::feed::{Op, Page};
@@ -138,9 +137,20 @@ impl Keys {
     /// Writes the key of bucket `idx` of generation `gen` into `out` (cleared first), so the
     /// request path reuses one buffer.
     pub fn bucket_into(&self, gen: u8, idx: u32, out: &mut String) {
+        // Hand-rolled: this runs for every bucket read of the request path, where `write!`'s
+        // formatting machinery would cost more than the rest of the key.
         out.clear();
         out.push_str(&self.prefix);
-        let _ = write!(out, "/g{}/b{:x}", gen & 1, idx);
+        out.push_str(if gen & 1 == 0 { "/g0/b" } else { "/g1/b" });
+        let digits = if idx == 0 {
+            1
+        } else {
+            (32 - idx.leading_zeros()).div_ceil(4)
+        };
+        for i in (0..digits).rev() {
+            let d = (idx >> (i * 4)) & 0xf;
+            out.push(char::from_digit(d, 16).unwrap_or('0'));
+        }
     }
 
     pub fn bucket(&self, gen: u8, idx: u32) -> String {
@@ -1465,6 +1475,14 @@ mod tests {
         rows.remove(5, 1, Tier::Cpu);
         rows.remove(5, 0, Tier::Cpu);
         assert_eq!(rows.keys(), 1);
+    }
+
+    #[test]
+    fn bucket_keys_are_hex() {
+        let k = Keys::new("p");
+        assert_eq!(k.bucket(0, 0), "kvroute/p/v1/g0/b0");
+        assert_eq!(k.bucket(1, 0x3fff), "kvroute/p/v1/g1/b3fff");
+        assert_eq!(k.bucket(2, 16), "kvroute/p/v1/g0/b10");
     }
 
     #[test]

@@ -36,9 +36,9 @@ fn keys_of(tokens: &[u32]) -> Vec<BlockKey> {
 }
 
 /// A shared-data image of an index of `total` blocks in which worker `w` holds the first
-/// `(w + 1) / WORKERS` of the 32k-token prompt's blocks (so 16 distinct match lengths), and
-/// random chains fill the rest.
-fn index_image(total: usize, prompt: &[u32]) -> Vec<(String, Vec<u8>)> {
+/// `(w % distinct + 1) / distinct` of the 32k-token prompt's blocks (so `distinct` distinct
+/// match lengths), and random chains fill the rest.
+fn index_image(total: usize, prompt: &[u32], distinct: usize) -> Vec<(String, Vec<u8>)> {
     let store = MemStore::new();
     let keys = Keys::new("kvroute");
     let limits = Limits {
@@ -64,7 +64,7 @@ fn index_image(total: usize, prompt: &[u32]) -> Vec<(String, Vec<u8>)> {
     let pk = keys_of(prompt);
     let mut placed = 0usize;
     for w in 0..WORKERS {
-        let n = pk.len() * (w as usize + 1) / WORKERS as usize;
+        let n = pk.len() * (w as usize % distinct + 1) / distinct;
         ops.push(Op::Blocks {
             worker: WorkerId(w),
             tier: Tier::Gpu,
@@ -158,48 +158,51 @@ fn main() {
     let prompt: Vec<u32> = (0..32_768u32)
         .map(|i| i.wrapping_mul(2_654_435_761) % 100_000)
         .collect();
-    println!("building a 1M-block index image...");
-    let image = index_image(1_000_000, &prompt);
-    let mut gw = gateway(&image);
-    println!(
-        "shared-data keys: {}, bytes: {}",
-        gw.shared_data_len(),
-        gw.shared_data_bytes()
-    );
-    let base = measure(&mut gw, n, |r| r.header("x-other", "1"));
-    println!("baseline (no tokens): {:.1} us/request", us(base));
-    println!("| tokens | intake header b64 (us) | intake body JSON (us) | body MB/s | route (us) | lookup+decision (us) | reads/request |");
-    println!("|---|---|---|---|---|---|---|");
-    for size in [1024usize, 8192, 32768] {
-        let toks = &prompt[..size];
-        let b64 = encode_base64_u32(toks);
-        let body = serde_json::to_vec(&serde_json::json!({
+    for distinct in [2usize, 16] {
+        println!(
+            "\n1M-block index, 16 instances, {distinct} distinct match lengths of the prompt:"
+        );
+        let image = index_image(1_000_000, &prompt, distinct);
+        let mut gw = gateway(&image);
+        println!(
+            "shared-data keys: {}, bytes: {}",
+            gw.shared_data_len(),
+            gw.shared_data_bytes()
+        );
+        let base = measure(&mut gw, n, |r| r.header("x-other", "1"));
+        println!("baseline (no tokens): {:.1} us/request", us(base));
+        println!("| tokens | intake header b64 (us) | intake body JSON (us) | body MB/s | route (us) | lookup+decision (us) | bucket reads/request |");
+        println!("|---|---|---|---|---|---|---|");
+        for size in [1024usize, 8192, 32768] {
+            let toks = &prompt[..size];
+            let b64 = encode_base64_u32(toks);
+            let body = serde_json::to_vec(&serde_json::json!({
             "model": "absent",
             "messages": [{"role": "user", "content": "Summarize the following document, please. ".repeat(8)}],
             "prompt": toks,
             "max_tokens": 16,
         }))
         .unwrap();
-        let hdr = measure(&mut gw, n, |r| {
-            r.header("x-token-ids", &b64).header("x-model", "absent")
-        });
-        let js = measure(&mut gw, n, |r| {
-            r.header("content-type", "application/json")
-                .body(body.clone())
-        });
-        let reads_before = gw
-            .histogram("kvroute.lookup_reads")
-            .unwrap_or_default()
-            .len();
-        let route = measure(&mut gw, n, |r| {
-            r.header("x-token-ids", &b64).header("x-model", "m")
-        });
-        let reads = gw.histogram("kvroute.lookup_reads").unwrap_or_default();
-        let new = &reads[reads_before.min(reads.len())..];
-        let mean_reads = new.iter().sum::<u64>() as f64 / new.len().max(1) as f64;
-        let body_time = js.saturating_sub(base).as_secs_f64();
-        let mbps = body.len() as f64 / body_time.max(1e-9) / 1e6;
-        println!(
+            let hdr = measure(&mut gw, n, |r| {
+                r.header("x-token-ids", &b64).header("x-model", "absent")
+            });
+            let js = measure(&mut gw, n, |r| {
+                r.header("content-type", "application/json")
+                    .body(body.clone())
+            });
+            let reads_before = gw
+                .histogram("kvroute.lookup_reads")
+                .unwrap_or_default()
+                .len();
+            let route = measure(&mut gw, n, |r| {
+                r.header("x-token-ids", &b64).header("x-model", "m")
+            });
+            let reads = gw.histogram("kvroute.lookup_reads").unwrap_or_default();
+            let new = &reads[reads_before.min(reads.len())..];
+            let mean_reads = new.iter().sum::<u64>() as f64 / new.len().max(1) as f64;
+            let body_time = js.saturating_sub(base).as_secs_f64();
+            let mbps = body.len() as f64 / body_time.max(1e-9) / 1e6;
+            println!(
             "| {size} | {:.1} | {:.1} ({} B) | {:.0} | {:.1} | {:.1} | {:.1} (+2: state, load) |",
             us(hdr.saturating_sub(base)),
             us(js.saturating_sub(base)),
@@ -209,12 +212,13 @@ fn main() {
             us(route.saturating_sub(hdr)),
             mean_reads
         );
+        }
     }
     // Reads per request against the index size, for an 8k-token prompt.
-    println!("\n| index blocks | reads/request (8k tokens) |");
+    println!("\n| index blocks (4 distinct lengths) | bucket reads/request (8k tokens) |");
     println!("|---|---|");
     for total in [1_000usize, 32_000, 1_000_000] {
-        let image = index_image(total, &prompt);
+        let image = index_image(total, &prompt, 4);
         let mut gw = gateway(&image);
         let b64 = encode_base64_u32(&prompt[..8192]);
         measure(&mut gw, 20, |r| {
