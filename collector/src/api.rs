@@ -27,6 +27,10 @@ use crate::wire::{
 };
 use crate::AppState;
 
+/// Longest a request may take before it is answered 408 (a feed snapshot of millions of blocks
+/// is the slowest thing the API does).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Content type of `/v1/feed` pages.
 pub const FEED_CONTENT_TYPE: &str = "application/x-kvroute-feed";
 
@@ -91,6 +95,10 @@ pub fn app(state: AppState) -> Router {
         .merge(open)
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            REQUEST_TIMEOUT,
+        ))
         .layer(middleware::from_fn(log_server_errors))
         .layer(tower::limit::ConcurrencyLimitLayer::new(
             state.config.max_concurrent_requests,
