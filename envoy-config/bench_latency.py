@@ -322,6 +322,20 @@ def write_markdown(results: dict, out: Path, args) -> None:
                     f"{t['kvroute']['p99_us'] - d['p99_us']:+.0f} |")
     else:
         lines += ["", f"vllm-router: {m['vllm_router']}."]
+    lines += ["", "How to read this:", "",
+              "- proxy CPU µs/req is Envoy's (or vllm-router's) user+system CPU time over the "
+              "throughput run divided by its requests. Unlike wall-clock percentiles it does "
+              "not grow when other work shares the cores. With requests sequential on an idle "
+              "machine, the added latency of the filter (synchronous work on one worker "
+              "thread) is about its added CPU time per request.",
+              "- When `direct` p50 is far above a few hundred µs the machine was "
+              "oversubscribed (other builds running): the wall-clock columns then measure "
+              "scheduling noise more than the proxies, and added-latency differences of a "
+              "few hundred µs (even negative ones) are not significant. kvroute-sim answers "
+              "through a tokio timer even at zero cost, which puts a ~1 ms floor under every "
+              "target's latency.",
+              "- The throughput runs saturate the 2 cores (wrk, Envoy and the engines share "
+              "them), so the throughput ratio follows the CPU cost per request."]
     lines += ["", f"Requests that kvroute routed (destination header in Envoy's access log): "
               f"{m['routed_requests_in_access_log']}.", "",
               "Command: `make bench-latency` = `bash envoy-config/bench_latency.sh` "
