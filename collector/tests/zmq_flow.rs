@@ -340,3 +340,30 @@ async fn a_corrupt_state_snapshot_is_ignored() {
     .unwrap();
     assert_eq!(state.read().workers().count(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_is_snapshotted_periodically_while_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = Config {
+        state_dir: Some(dir.path().to_owned()),
+        snapshot_interval: Duration::from_millis(100),
+        ..config()
+    };
+    let state = kvroute_collector::start(cfg).unwrap();
+    let p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    state.register(registration("a", &p, M, None, 4)).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(kvroute_collector::serve(listener, state, async {
+        let _ = stopped.await;
+    }));
+    let path = dir.path().join("state.json");
+    let until = tokio::time::Instant::now() + DEADLINE;
+    // Written by the periodic task, before any shutdown.
+    while !std::fs::read_to_string(&path).is_ok_and(|s| s.contains("\"a\"")) {
+        assert!(tokio::time::Instant::now() < until, "no periodic snapshot");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(()).unwrap();
+    server.await.unwrap().unwrap();
+}
