@@ -64,6 +64,15 @@ pub fn parse_query(body: &[u8]) -> Option<QueryRequest> {
     })
 }
 
+/// The value of 8 decimal digits, one per byte, the first in the lowest byte (digit values
+/// 0..=9, not ASCII). Leading zero bytes are leading zeros.
+#[inline]
+fn eight_digits(v: u64) -> u64 {
+    let v = (v & 0x0f0f_0f0f_0f0f_0f0f).wrapping_mul((10 << 8) + 1) >> 8;
+    let v = (v & 0x00ff_00ff_00ff_00ff).wrapping_mul((100 << 16) + 1) >> 16;
+    (v & 0x0000_ffff_0000_ffff).wrapping_mul((10000 << 32) + 1) >> 32
+}
+
 struct Scan<'a> {
     b: &'a [u8],
     i: usize,
@@ -179,6 +188,21 @@ impl<'a> Scan<'a> {
             }
             let start = i;
             let mut v: u64 = 0;
+            // Up to 7 digits at once (SWAR); 8 or more, or the end of the body, go digit by digit.
+            if let Some(chunk) = b.get(i..i + 8) {
+                let x =
+                    u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8])) ^ 0x3030_3030_3030_3030;
+                // High bit of each byte set where the byte is not an ASCII digit (no carries
+                // cross bytes: the high bits are masked off before the add).
+                let nondigit = (((x & 0x7f7f_7f7f_7f7f_7f7f).wrapping_add(0x7676_7676_7676_7676))
+                    | x)
+                    & 0x8080_8080_8080_8080;
+                let n = (nondigit.trailing_zeros() / 8) as usize;
+                if (1..8).contains(&n) {
+                    v = eight_digits(x << (8 * (8 - n)));
+                    i += n;
+                }
+            }
             while i < b.len() {
                 let d = b[i].wrapping_sub(b'0');
                 if d > 9 {
@@ -271,7 +295,40 @@ mod tests {
         }
     }
 
+    #[test]
+    fn swar_digits() {
+        for (text, want) in [
+            ("1", 1u64),
+            ("12", 12),
+            ("1234567", 1234567),
+            ("9999999", 9999999),
+            ("5000", 5000),
+        ] {
+            let mut bytes = [b','; 8];
+            bytes[..text.len()].copy_from_slice(text.as_bytes());
+            let x = u64::from_le_bytes(bytes) ^ 0x3030_3030_3030_3030;
+            let n = text.len();
+            assert_eq!(eight_digits(x << (8 * (8 - n))), want, "{text}");
+        }
+    }
+
     proptest! {
+        /// Small and large numbers, any spacing, ending anywhere: the same as serde.
+        #[test]
+        fn token_arrays_agree_with_serde(tokens in proptest::collection::vec(prop_oneof![0u32..10, 0u32..100_000, any::<u32>()], 0..40),
+                                         seps in proptest::collection::vec(prop_oneof![Just(","), Just(", "), Just(" ,"), Just(",\n ")], 40)) {
+            let mut body = String::from("{\"model_name\":\"m\",\"token_ids\":[");
+            for (i, t) in tokens.iter().enumerate() {
+                if i > 0 {
+                    body.push_str(seps[i]);
+                }
+                body.push_str(&t.to_string());
+            }
+            body.push_str("]}");
+            let slow: QueryRequest = serde_json::from_str(&body).unwrap();
+            prop_assert_eq!(parse_query(body.as_bytes()), Some(slow));
+        }
+
         /// Whatever the fast path accepts, serde reads the same way.
         #[test]
         fn agrees_with_serde(tokens in proptest::collection::vec(any::<u32>(), 0..50),
