@@ -135,7 +135,13 @@ impl KvCache {
     /// Prompt tokens a request would get from the cache now (read-only; the oracle uses it).
     pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> usize {
         let hashes = self.engine_hashes(prompt);
-        self.hit_blocks(&hashes, prompt.len()) * self.cfg.block_size_tokens
+        self.cached_prefix_tokens_hashed(&hashes, prompt.len())
+    }
+
+    /// [`KvCache::cached_prefix_tokens`] with the prompt's hashes computed by the caller
+    /// (outside whatever lock guards the cache).
+    pub fn cached_prefix_tokens_hashed(&self, hashes: &[EngineHash], prompt_len: usize) -> usize {
+        self.hit_blocks(hashes, prompt_len) * self.cfg.block_size_tokens
     }
 
     /// Blocks matched, capped so at least the last prompt token is computed.
@@ -164,6 +170,21 @@ impl KvCache {
         prompt: &[u32],
         output_tokens: usize,
     ) -> Result<Admission, AdmitError> {
+        let hashes = self.engine_hashes(prompt);
+        self.try_admit_hashed(prompt, &hashes, output_tokens)
+    }
+
+    /// [`KvCache::try_admit`] with `hashes == self.engine_hashes(prompt)` computed by the
+    /// caller, outside whatever lock guards the cache.
+    ///
+    /// # Errors
+    /// As [`KvCache::try_admit`].
+    pub fn try_admit_hashed(
+        &mut self,
+        prompt: &[u32],
+        hashes: &[EngineHash],
+        output_tokens: usize,
+    ) -> Result<Admission, AdmitError> {
         let bs = self.cfg.block_size_tokens;
         let total = self.blocks_needed(prompt.len(), output_tokens);
         if total > self.cfg.capacity_blocks {
@@ -172,8 +193,7 @@ impl KvCache {
                 capacity: self.cfg.capacity_blocks,
             });
         }
-        let hashes = self.engine_hashes(prompt);
-        let hit = self.hit_blocks(&hashes, prompt.len());
+        let hit = self.hit_blocks(hashes, prompt.len());
         let hit_ids: Vec<usize> = hashes[..hit].iter().map(|h| self.by_hash[h]).collect();
         let hit_free = hit_ids
             .iter()
@@ -313,6 +333,59 @@ impl KvCache {
         self.blocks[b].free_stamp = Some(stamp);
         self.free.insert(stamp, b);
     }
+}
+
+/// Splits one admission's events into scheduler steps of at most `max_blocks` blocks each,
+/// as vLLM publishes them: one batch per step, and a step allocates and caches at most
+/// `max_num_batched_tokens / block_size` blocks (8,192 / 16 = 512 by default). Long
+/// `BlockStored` runs are cut into pieces chained by their parents; order is kept.
+pub fn split_steps(events: Vec<CacheEvent>, max_blocks: usize) -> Vec<Vec<CacheEvent>> {
+    let max_blocks = max_blocks.max(1);
+    let mut out: Vec<Vec<CacheEvent>> = Vec::new();
+    let mut cur: Vec<CacheEvent> = Vec::new();
+    let mut used = 0usize;
+    let flush = |cur: &mut Vec<CacheEvent>, used: &mut usize, out: &mut Vec<Vec<CacheEvent>>| {
+        if !cur.is_empty() {
+            out.push(std::mem::take(cur));
+        }
+        *used = 0;
+    };
+    for e in events {
+        match e {
+            CacheEvent::BlockStored {
+                parent,
+                hashes,
+                token_ids,
+            } => {
+                let bs = token_ids.len() / hashes.len().max(1);
+                let mut parent = parent;
+                let mut start = 0;
+                while start < hashes.len() {
+                    if used == max_blocks {
+                        flush(&mut cur, &mut used, &mut out);
+                    }
+                    let n = (max_blocks - used).min(hashes.len() - start);
+                    cur.push(CacheEvent::BlockStored {
+                        parent,
+                        hashes: hashes[start..start + n].to_vec(),
+                        token_ids: token_ids[start * bs..(start + n) * bs].to_vec(),
+                    });
+                    parent = Some(hashes[start + n - 1]);
+                    used += n;
+                    start += n;
+                }
+            }
+            other => {
+                if used == max_blocks {
+                    flush(&mut cur, &mut used, &mut out);
+                }
+                cur.push(other);
+                used += 1;
+            }
+        }
+    }
+    flush(&mut cur, &mut used, &mut out);
+    out
 }
 
 #[cfg(test)]
@@ -628,5 +701,38 @@ mod tests {
         assert_eq!(c.clear(), Some(CacheEvent::AllBlocksCleared));
         assert_eq!(c.cached_blocks(), 0);
         assert_eq!(c.cached_prefix_tokens(&[1, 1, 2, 2, 3]), 0);
+    }
+
+    #[test]
+    fn steps_cap_blocks_per_batch_and_chain_split_runs() {
+        let h = |i: u64| EngineHash(i);
+        let ev = vec![
+            CacheEvent::BlockRemoved { hash: h(100) },
+            CacheEvent::BlockRemoved { hash: h(101) },
+            CacheEvent::BlockStored {
+                parent: Some(h(9)),
+                hashes: vec![h(1), h(2), h(3)],
+                token_ids: vec![1, 1, 2, 2, 3, 3],
+            },
+        ];
+        let steps = split_steps(ev.clone(), 2);
+        assert_eq!(
+            steps,
+            vec![
+                vec![ev[0].clone(), ev[1].clone()],
+                vec![CacheEvent::BlockStored {
+                    parent: Some(h(9)),
+                    hashes: vec![h(1), h(2)],
+                    token_ids: vec![1, 1, 2, 2]
+                }],
+                vec![CacheEvent::BlockStored {
+                    parent: Some(h(2)),
+                    hashes: vec![h(3)],
+                    token_ids: vec![3, 3]
+                }],
+            ]
+        );
+        assert_eq!(split_steps(ev.clone(), 100), vec![ev]);
+        assert!(split_steps(Vec::new(), 4).is_empty());
     }
 }

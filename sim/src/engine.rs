@@ -60,6 +60,9 @@ pub const HEADER_CACHED_TOKENS: &str = "x-kvroute-sim-cached-tokens";
 pub const HEADER_ENGINE: &str = "x-kvroute-sim-engine";
 /// Response header: the dp rank that served the request.
 pub const HEADER_DP_RANK: &str = "x-kvroute-sim-dp-rank";
+/// Response header: time to first token in the engine's model, simulated microseconds
+/// ([`Running::model_ttft`]).
+pub const HEADER_MODEL_TTFT_US: &str = "x-kvroute-sim-model-ttft-us";
 /// Request header honoured by vLLM and SGLang to pick a data-parallel rank.
 pub const HEADER_REQUEST_DP_RANK: &str = "x-data-parallel-rank";
 
@@ -104,6 +107,9 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     /// Keep every published batch's cache events in memory (tests).
     pub journal: bool,
+    /// Tokens one scheduler step computes (vLLM `max_num_batched_tokens`, 8,192): the events
+    /// of one admission are published in batches of at most this many tokens' blocks.
+    pub max_batched_tokens: usize,
 }
 
 impl Default for EngineConfig {
@@ -130,6 +136,7 @@ impl Default for EngineConfig {
             stream_interval_tokens: 1,
             max_model_len: 131_072,
             journal: false,
+            max_batched_tokens: 8192,
         }
     }
 }
@@ -150,6 +157,7 @@ pub struct RankStats {
 
 struct Pending {
     prompt: Arc<Vec<u32>>,
+    hashes: Vec<kvroute::event::EngineHash>,
     output_tokens: usize,
     tx: oneshot::Sender<Result<Admitted, AdmitError>>,
 }
@@ -182,6 +190,7 @@ pub struct Engine {
 
 struct Inner {
     cfg: EngineConfig,
+    scheme: HashScheme,
     ranks: Vec<Rank>,
     next: AtomicU64,
 }
@@ -232,12 +241,21 @@ pub struct Running {
     pub first_token_at: Instant,
     /// Output tokens to produce.
     pub output_tokens: usize,
+    /// When the engine received the request.
+    pub arrived_at: Instant,
 }
 
 impl Running {
     /// The rank serving the request.
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// Time to first token in the engine's model, simulated: queueing for admission and for
+    /// the prefill server, prefill, overhead. Unlike a client's measurement it does not scale
+    /// up host overheads (HTTP, routers, a busy CPU) by the speed-up.
+    pub fn model_ttft(&self) -> Duration {
+        self.first_token_at.saturating_duration_since(self.arrived_at).mul_f64(self.engine.inner.cfg.speed)
     }
 
     /// Real time per output token.
@@ -315,6 +333,7 @@ impl Engine {
         Ok(Engine {
             inner: Arc::new(Inner {
                 cfg,
+                scheme,
                 ranks,
                 next: AtomicU64::new(0),
             }),
@@ -366,6 +385,11 @@ impl Engine {
 
     /// Prompt tokens each rank would serve from its cache now (the bench's oracle).
     pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> Vec<usize> {
+        // Hash outside the locks: admissions take them too.
+        let hashes = self
+            .inner
+            .scheme
+            .hashes(prompt, self.inner.cfg.cache.block_size_tokens);
         self.inner
             .ranks
             .iter()
@@ -374,7 +398,7 @@ impl Engine {
                     .lock()
                     .expect("rank lock")
                     .cache
-                    .cached_prefix_tokens(prompt)
+                    .cached_prefix_tokens_hashed(&hashes, prompt.len())
             })
             .collect()
     }
@@ -453,6 +477,7 @@ impl Engine {
         output_tokens: usize,
         rank: Option<u32>,
     ) -> Result<Running, EngineError> {
+        let arrived_at = Instant::now();
         let cfg = &self.inner.cfg;
         if prompt.len() + output_tokens > cfg.max_model_len {
             return Err(EngineError::TooLong(prompt.len()));
@@ -463,11 +488,17 @@ impl Engine {
         let output_tokens = output_tokens.max(1);
         let r = self.pick_rank(rank);
         let (tx, rx) = oneshot::channel();
+        // Hash outside the lock.
+        let hashes = self
+            .inner
+            .scheme
+            .hashes(&prompt, cfg.cache.block_size_tokens);
         {
             let rank = &self.inner.ranks[r as usize];
             let mut st = rank.state.lock().expect("rank lock");
             st.waiting.push_back(Pending {
                 prompt: Arc::new(prompt),
+                hashes,
                 output_tokens,
                 tx,
             });
@@ -481,6 +512,7 @@ impl Engine {
                 cached_tokens: a.cached_tokens,
                 first_token_at: a.first_token_at,
                 output_tokens,
+                arrived_at,
             }),
             Ok(Err(AdmitError::TooLarge { needed, capacity })) => {
                 Err(EngineError::TooLarge { needed, capacity })
@@ -500,7 +532,10 @@ impl Engine {
                 st.waiting.pop_front();
                 continue;
             }
-            match st.cache.try_admit(&head.prompt, head.output_tokens) {
+            match st
+                .cache
+                .try_admit_hashed(&head.prompt, &head.hashes, head.output_tokens)
+            {
                 Err(AdmitError::NotEnoughFree { .. }) => break,
                 Err(e @ AdmitError::TooLarge { .. }) => {
                     let p = st.waiting.pop_front().expect("head");
@@ -537,24 +572,29 @@ impl Engine {
         }
     }
 
+    /// Publishes one admission's (or a reset's) changes, one batch per scheduler step.
     fn publish(&self, rank: &Rank, st: &mut RankState, events: Vec<CacheEvent>) {
         let cfg = &self.inner.cfg;
-        if let Some(p) = &rank.publisher {
-            let wire_events = wire::to_wire(cfg.event_format, cfg.cache.block_size_tokens, &events);
-            let ts = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs_f64())
-                .unwrap_or(0.0);
-            p.publish(wire::encode_batch(
-                cfg.event_format,
-                Extras::engine(cfg.event_format),
-                ts,
-                &wire_events,
-                Some(rank.index),
-            ));
-        }
-        if cfg.journal {
-            st.journal.push(events);
+        let step_blocks = cfg.max_batched_tokens / cfg.cache.block_size_tokens.max(1);
+        for step in crate::cache::split_steps(events, step_blocks) {
+            if let Some(p) = &rank.publisher {
+                let wire_events =
+                    wire::to_wire(cfg.event_format, cfg.cache.block_size_tokens, &step);
+                let ts = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map(|d| d.as_secs_f64())
+                    .unwrap_or(0.0);
+                p.publish(wire::encode_batch(
+                    cfg.event_format,
+                    Extras::engine(cfg.event_format),
+                    ts,
+                    &wire_events,
+                    Some(rank.index),
+                ));
+            }
+            if cfg.journal {
+                st.journal.push(step);
+            }
         }
     }
 
@@ -667,6 +707,7 @@ fn sim_headers(engine: &Engine, run: &Running, resp: &mut Response) {
         h.insert(HEADER_ENGINE, v);
     }
     h.insert(HEADER_DP_RANK, HeaderValue::from(run.rank));
+    h.insert(HEADER_MODEL_TTFT_US, HeaderValue::from(run.model_ttft().as_micros() as u64));
 }
 
 /// Streams `chunk(i, tokens)` SSE events: the first at `first_token_at`, then one per

@@ -125,6 +125,10 @@ pub struct RequestResult {
     /// Scheduled send time from the trace's start.
     pub sent_at_s: f64,
     pub ttft_s: Option<f64>,
+    /// TTFT in the engine's model (header `x-kvroute-sim-model-ttft-us`): free of host
+    /// overheads multiplied by the speed-up.
+    #[serde(default)]
+    pub model_ttft_s: Option<f64>,
     pub latency_s: Option<f64>,
     pub engine: Option<String>,
     pub dp_rank: Option<u32>,
@@ -153,6 +157,10 @@ pub struct Summary {
     pub ttft_p90_s: f64,
     pub ttft_p99_s: f64,
     pub ttft_mean_s: f64,
+    /// Quantiles of the engines' model TTFT (see [`RequestResult::model_ttft_s`]).
+    pub model_ttft_p50_s: f64,
+    pub model_ttft_p90_s: f64,
+    pub model_ttft_p99_s: f64,
     pub latency_p50_s: f64,
     pub latency_p90_s: f64,
     /// From the first send to the last completion.
@@ -182,6 +190,8 @@ pub fn summarize(results: &[RequestResult], engines: &[String]) -> Summary {
     let cached: usize = ok.iter().map(|r| r.cached_tokens.unwrap_or(0)).sum();
     let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_s).collect();
     ttft.sort_by(f64::total_cmp);
+    let mut mttft: Vec<f64> = ok.iter().filter_map(|r| r.model_ttft_s).collect();
+    mttft.sort_by(f64::total_cmp);
     let mut lat: Vec<f64> = ok.iter().filter_map(|r| r.latency_s).collect();
     lat.sort_by(f64::total_cmp);
     let start = results
@@ -215,6 +225,9 @@ pub fn summarize(results: &[RequestResult], engines: &[String]) -> Summary {
         } else {
             0.0
         },
+        model_ttft_p50_s: quantile(&mttft, 0.5),
+        model_ttft_p90_s: quantile(&mttft, 0.9),
+        model_ttft_p99_s: quantile(&mttft, 0.99),
         ttft_p50_s: quantile(&ttft, 0.5),
         ttft_p90_s: quantile(&ttft, 0.9),
         ttft_p99_s: quantile(&ttft, 0.99),
@@ -259,7 +272,8 @@ pub async fn run(
     let start = Instant::now();
     let mut handles = Vec::with_capacity(n);
     for (index, rec) in trace[..n].iter().enumerate() {
-        let offset_s = (rec.timestamp.saturating_sub(t0)) as f64 / 1000.0 / cfg.arrival_scale.max(1e-9);
+        let offset_s =
+            (rec.timestamp.saturating_sub(t0)) as f64 / 1000.0 / cfg.arrival_scale.max(1e-9);
         let due = start + Duration::from_secs_f64(offset_s / speed);
         let rec = rec.clone();
         let client = client.clone();
@@ -281,6 +295,7 @@ pub async fn run(
             index: i,
             sent_at_s: 0.0,
             ttft_s: None,
+            model_ttft_s: None,
             latency_s: None,
             engine: None,
             dp_rank: None,
@@ -311,6 +326,7 @@ async fn one(
         index,
         sent_at_s: offset_s,
         ttft_s: None,
+        model_ttft_s: None,
         latency_s: None,
         engine: None,
         dp_rank: None,
@@ -363,6 +379,11 @@ async fn one(
             .get(crate::engine::HEADER_DP_RANK)
             .and_then(|v| v.to_str().ok())
             .and_then(|s| s.parse().ok());
+        result.model_ttft_s = h
+            .get(crate::engine::HEADER_MODEL_TTFT_US)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| s.parse::<u64>().ok())
+            .map(|us| us as f64 / 1e6);
         if !resp.status().is_success() {
             let text = resp.text().await.unwrap_or_default();
             return Err(format!(
@@ -457,6 +478,7 @@ mod tests {
             index: 0,
             sent_at_s: 0.0,
             ttft_s: None,
+            model_ttft_s: None,
             latency_s: None,
             engine: None,
             dp_rank: None,
@@ -478,6 +500,7 @@ mod tests {
             index: i,
             sent_at_s: i as f64,
             ttft_s: Some(0.1 * (i + 1) as f64),
+            model_ttft_s: None,
             latency_s: Some(1.0),
             engine: Some(eng.into()),
             dp_rank: None,

@@ -15,7 +15,11 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 /// One atomic change: a stored block (with its parent), a removed block, or a clear.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Change {
-    Stored { parent: Option<EngineHash>, hash: EngineHash, tokens: Vec<u32> },
+    Stored {
+        parent: Option<EngineHash>,
+        hash: EngineHash,
+        tokens: Vec<u32>,
+    },
     Removed(EngineHash),
     Cleared,
 }
@@ -24,10 +28,18 @@ fn flatten_cache(events: &[CacheEvent], bs: usize) -> Vec<Change> {
     let mut out = Vec::new();
     for e in events {
         match e {
-            CacheEvent::BlockStored { parent, hashes, token_ids } => {
+            CacheEvent::BlockStored {
+                parent,
+                hashes,
+                token_ids,
+            } => {
                 let mut p = *parent;
                 for (h, toks) in hashes.iter().zip(token_ids.chunks(bs)) {
-                    out.push(Change::Stored { parent: p, hash: *h, tokens: toks.to_vec() });
+                    out.push(Change::Stored {
+                        parent: p,
+                        hash: *h,
+                        tokens: toks.to_vec(),
+                    });
                     p = Some(*h);
                 }
             }
@@ -42,12 +54,22 @@ fn flatten_decoded(events: &[KvEvent]) -> Vec<Change> {
     let mut out = Vec::new();
     for e in events {
         match e {
-            KvEvent::BlockStored { parent, blocks, tier, lora_name, cache_salt } => {
+            KvEvent::BlockStored {
+                parent,
+                blocks,
+                tier,
+                lora_name,
+                cache_salt,
+            } => {
                 assert_eq!(*tier, Tier::Gpu);
                 assert!(lora_name.is_none() && cache_salt.is_none());
                 let mut p = *parent;
                 for b in blocks {
-                    out.push(Change::Stored { parent: p, hash: b.hash, tokens: b.tokens.clone() });
+                    out.push(Change::Stored {
+                        parent: p,
+                        hash: b.hash,
+                        tokens: b.tokens.clone(),
+                    });
                     p = Some(b.hash);
                 }
             }
@@ -64,7 +86,10 @@ fn flatten_decoded(events: &[KvEvent]) -> Vec<Change> {
 async fn engine(format: EventFormat, endpoint: &str, dp_size: u32) -> Engine {
     Engine::start(EngineConfig {
         name: "e0".into(),
-        cache: CacheConfig { block_size_tokens: 4, capacity_blocks: 24 },
+        cache: CacheConfig {
+            block_size_tokens: 4,
+            capacity_blocks: 24,
+        },
         speed: 1000.0,
         dp_size,
         event_format: format,
@@ -82,7 +107,15 @@ async fn engine(format: EventFormat, endpoint: &str, dp_size: u32) -> Engine {
 fn prompt(i: u32) -> Vec<u32> {
     let family = i % 3;
     let len = 9 + (i * 7) % 23;
-    (0..len).map(|k| if k < 12 { family * 1000 + k } else { i * 100 + k }).collect()
+    (0..len)
+        .map(|k| {
+            if k < 12 {
+                family * 1000 + k
+            } else {
+                i * 100 + k
+            }
+        })
+        .collect()
 }
 
 /// A request admitted and finished at once (the journal records its cache changes).
@@ -92,7 +125,10 @@ async fn touch(e: &Engine, p: Vec<u32>, rank: Option<u32>) {
 }
 
 async fn recv_timeout(sub: &mut zeromq::SubSocket, wait: Duration) -> Option<ZmqMessage> {
-    tokio::time::timeout(wait, sub.recv()).await.ok().and_then(Result::ok)
+    tokio::time::timeout(wait, sub.recv())
+        .await
+        .ok()
+        .and_then(Result::ok)
 }
 
 /// Subscribes and publishes probe batches until one arrives, so later batches are not lost to
@@ -114,11 +150,18 @@ async fn subscribe(e: &Engine, rank: u32) -> (zeromq::SubSocket, Vec<ZmqMessage>
 async fn replay(replay_ep: &str, start: u64) -> Vec<Vec<Bytes>> {
     let mut dealer = zeromq::DealerSocket::new();
     dealer.connect(replay_ep).await.expect("connect replay");
-    let req = ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())]).unwrap();
+    let req = ZmqMessage::try_from(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&start.to_be_bytes()),
+    ])
+    .unwrap();
     dealer.send(req).await.expect("send replay request");
     let mut out = Vec::new();
     loop {
-        let m = tokio::time::timeout(Duration::from_secs(10), dealer.recv()).await.expect("replay reply in time").unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(10), dealer.recv())
+            .await
+            .expect("replay reply in time")
+            .unwrap();
         let frames = m.into_vec();
         let end = frames.iter().any(|f| f.as_ref() == [0xff; 8]);
         out.push(frames);
@@ -141,11 +184,14 @@ async fn check_stream(format: EventFormat) {
     published.wait_for(|s| *s == Some(last)).await.unwrap();
     // Live messages until the last seq (the PUB queue delivers in order).
     loop {
-        let seq_of = |m: &ZmqMessage| u64::from_be_bytes(m.get(1).unwrap().as_ref().try_into().unwrap());
+        let seq_of =
+            |m: &ZmqMessage| u64::from_be_bytes(m.get(1).unwrap().as_ref().try_into().unwrap());
         if live.last().map(seq_of) == Some(last) {
             break;
         }
-        let m = recv_timeout(&mut sub, Duration::from_secs(10)).await.expect("live batch");
+        let m = recv_timeout(&mut sub, Duration::from_secs(10))
+            .await
+            .expect("live batch");
         live.push(m);
     }
     let mut payloads: BTreeMap<u64, Bytes> = BTreeMap::new();
@@ -153,7 +199,10 @@ async fn check_stream(format: EventFormat) {
         let f = m.clone().into_vec();
         assert_eq!(f.len(), 3, "[topic, seq, payload]");
         assert_eq!(f[0].as_ref(), b"kv@e0@sim-model");
-        payloads.insert(u64::from_be_bytes(f[1].as_ref().try_into().unwrap()), f[2].clone());
+        payloads.insert(
+            u64::from_be_bytes(f[1].as_ref().try_into().unwrap()),
+            f[2].clone(),
+        );
     }
     // Replay everything from seq 0: the early batches the subscription missed, and the rest
     // exactly as they went out live.
@@ -161,9 +210,20 @@ async fn check_stream(format: EventFormat) {
     let replies = replay(&replay_ep.unwrap(), 0).await;
     let (end, batches) = replies.split_last().unwrap();
     if format == EventFormat::Vllm023 {
-        assert_eq!(end, &vec![Bytes::new(), Bytes::from_static(&[0xff; 8]), Bytes::new()]);
+        assert_eq!(
+            end,
+            &vec![Bytes::new(), Bytes::from_static(&[0xff; 8]), Bytes::new()]
+        );
     } else {
-        assert_eq!(end, &vec![Bytes::new(), Bytes::new(), Bytes::from_static(&[0xff; 8]), Bytes::new()]);
+        assert_eq!(
+            end,
+            &vec![
+                Bytes::new(),
+                Bytes::new(),
+                Bytes::from_static(&[0xff; 8]),
+                Bytes::new()
+            ]
+        );
     }
     assert_eq!(batches.len() as u64, last + 1);
     for (i, f) in batches.iter().enumerate() {
@@ -190,10 +250,15 @@ async fn check_stream(format: EventFormat) {
     let mut cached: BTreeSet<EngineHash> = BTreeSet::new();
     let mut removals = 0;
     for (seq, payload) in &payloads {
-        let batch = kvroute_collector::decode::decode(payload).expect("collector decodes the batch");
+        let batch =
+            kvroute_collector::decode::decode(payload).expect("collector decodes the batch");
         assert_eq!(batch.dp_rank, Some(0));
         let got = flatten_decoded(&batch.events);
-        assert_eq!(got, flatten_cache(&journal[*seq as usize], 4), "batch {seq} ({format})");
+        assert_eq!(
+            got,
+            flatten_cache(&journal[*seq as usize], 4),
+            "batch {seq} ({format})"
+        );
         for c in got {
             match c {
                 Change::Stored { hash, .. } => {
@@ -208,7 +273,11 @@ async fn check_stream(format: EventFormat) {
         }
     }
     assert!(removals > 10, "the workload evicts");
-    assert_eq!(cached.into_iter().collect::<Vec<_>>(), e.cached_hashes(0), "the stream folds to the cache's contents");
+    assert_eq!(
+        cached.into_iter().collect::<Vec<_>>(),
+        e.cached_hashes(0),
+        "the stream folds to the cache's contents"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -232,13 +301,20 @@ async fn dp_ranks_publish_on_offset_ports_with_their_rank() {
     // it and the next (retried on the rare collision).
     let mut started = None;
     for _ in 0..20 {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         if port >= 65000 {
             continue;
         }
         let ep = format!("tcp://127.0.0.1:{port}");
         let r = Engine::start(EngineConfig {
-            cache: CacheConfig { block_size_tokens: 4, capacity_blocks: 24 },
+            cache: CacheConfig {
+                block_size_tokens: 4,
+                capacity_blocks: 24,
+            },
             dp_size: 2,
             events_endpoint: Some(ep),
             journal: true,
@@ -258,7 +334,9 @@ async fn dp_ranks_publish_on_offset_ports_with_their_rank() {
     let batch = kvroute_collector::decode::decode(first[0].get(2).unwrap()).unwrap();
     assert_eq!(batch.dp_rank, Some(1));
     touch(&e, vec![7; 9], Some(1)).await;
-    let m = recv_timeout(&mut sub, Duration::from_secs(10)).await.expect("rank 1 batch");
+    let m = recv_timeout(&mut sub, Duration::from_secs(10))
+        .await
+        .expect("rank 1 batch");
     let batch = kvroute_collector::decode::decode(m.get(2).unwrap()).unwrap();
     assert_eq!(batch.dp_rank, Some(1));
     assert!(e.journal(0).is_empty(), "rank 0 saw nothing");

@@ -16,14 +16,21 @@ pub async fn serve(cfg: EngineConfig) -> (Engine, String) {
 fn small(name: &str) -> EngineConfig {
     EngineConfig {
         name: name.into(),
-        cache: CacheConfig { block_size_tokens: 16, capacity_blocks: 1000 },
+        cache: CacheConfig {
+            block_size_tokens: 16,
+            capacity_blocks: 1000,
+        },
         speed: 1000.0,
         ..EngineConfig::default()
     }
 }
 
 fn cached(resp: &reqwest::Response) -> u64 {
-    resp.headers()[HEADER_CACHED_TOKENS].to_str().unwrap().parse().unwrap()
+    resp.headers()[HEADER_CACHED_TOKENS]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 #[tokio::test]
@@ -31,7 +38,12 @@ async fn completions_report_prefix_hits_for_ids_and_text_alike() {
     let (_e, url) = serve(small("eng-a")).await;
     let c = reqwest::Client::new();
     let ids: Vec<u32> = (0..100).collect();
-    let r = c.post(format!("{url}/v1/completions")).json(&json!({"model": "sim-model", "prompt": ids, "max_tokens": 3})).send().await.unwrap();
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"model": "sim-model", "prompt": ids, "max_tokens": 3}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(cached(&r), 0);
     assert_eq!(r.headers()[HEADER_ENGINE], "eng-a");
@@ -40,7 +52,12 @@ async fn completions_report_prefix_hits_for_ids_and_text_alike() {
     assert_eq!(body["usage"]["completion_tokens"], 3);
     // The same tokens as text: 96 tokens (6 full blocks) come from the cache.
     let text = kvroute_sim::tokenizer::decode(&ids);
-    let r = c.post(format!("{url}/v1/completions")).json(&json!({"prompt": text, "max_tokens": 1})).send().await.unwrap();
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"prompt": text, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(cached(&r), 96);
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 96);
@@ -83,28 +100,77 @@ async fn generate_tokenize_models_and_metrics() {
         assert_eq!(v["meta_info"]["cached_tokens"], expect);
         assert_eq!(v["output_ids"].as_array().unwrap().len(), 2);
     }
-    let v: Value = c.post(format!("{url}/tokenize")).json(&json!({"prompt": "t5 t6 t7"})).send().await.unwrap().json().await.unwrap();
+    let v: Value = c
+        .post(format!("{url}/tokenize"))
+        .json(&json!({"prompt": "t5 t6 t7"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["tokens"], json!([5, 6, 7]));
     assert_eq!(v["count"], 3);
-    let v: Value = c.get(format!("{url}/v1/models")).send().await.unwrap().json().await.unwrap();
+    let v: Value = c
+        .get(format!("{url}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["data"][0]["id"], "sim-model");
-    assert_eq!(c.get(format!("{url}/health")).send().await.unwrap().status(), 200);
-    let m = c.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
-    assert!(m.contains("vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"sim-model\"} 80"), "{m}");
-    assert!(m.contains("vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"sim-model\"} 32"), "{m}");
+    assert_eq!(
+        c.get(format!("{url}/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let m = c
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"sim-model\"} 80"),
+        "{m}"
+    );
+    assert!(
+        m.contains("vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"sim-model\"} 32"),
+        "{m}"
+    );
     assert!(m.contains("vllm:num_requests_running{engine=\"0\",model_name=\"sim-model\"} 0"));
     assert!(m.contains("vllm:num_requests_waiting"));
     assert!(m.contains("vllm:kv_cache_usage_perc"));
-    let bad = c.post(format!("{url}/v1/completions")).json(&json!({"prompt": []})).send().await.unwrap();
+    let bad = c
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"prompt": []}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(bad.status(), 400);
 }
 
 #[tokio::test]
 async fn requests_beyond_the_concurrency_limit_wait_their_turn() {
-    let (e, _url) = serve(EngineConfig { max_running: 1, speed: 1.0, ..small("eng-q") }).await;
+    let (e, _url) = serve(EngineConfig {
+        max_running: 1,
+        speed: 1.0,
+        ..small("eng-q")
+    })
+    .await;
     let first = e.submit(vec![1; 20], 1, None).await.unwrap();
     let e2 = e.clone();
-    let waiting = tokio::spawn(async move { e2.submit(vec![2; 20], 1, None).await.map(|r| r.cached_tokens) });
+    let waiting = tokio::spawn(async move {
+        e2.submit(vec![2; 20], 1, None)
+            .await
+            .map(|r| r.cached_tokens)
+    });
     // Wait (bounded) until the second request is queued, then check it is not admitted.
     for _ in 0..1000 {
         if e.stats(0).waiting == 1 {

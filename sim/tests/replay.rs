@@ -13,7 +13,10 @@ use crate::http::serve;
 fn cfg(name: &str) -> EngineConfig {
     EngineConfig {
         name: name.into(),
-        cache: CacheConfig { block_size_tokens: 16, capacity_blocks: 2000 },
+        cache: CacheConfig {
+            block_size_tokens: 16,
+            capacity_blocks: 2000,
+        },
         speed: 200.0,
         ..EngineConfig::default()
     }
@@ -32,7 +35,10 @@ fn small_trace() -> Vec<TraceRecord> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_by_url_records_ttft_engine_and_cached_tokens() {
     let (_e, url) = serve(cfg("solo")).await;
-    let rc = ReplayConfig { speed: 200.0, ..ReplayConfig::default() };
+    let rc = ReplayConfig {
+        speed: 200.0,
+        ..ReplayConfig::default()
+    };
     let results = replay::run(&small_trace(), Target::Url(url), &rc, None).await;
     assert_eq!(results.len(), 4);
     for (i, r) in results.iter().enumerate() {
@@ -61,7 +67,12 @@ struct RoundRobin {
 impl Route for RoundRobin {
     fn route<'a>(&'a self, _req: RouteRequest<'a>) -> replay::BoxFuture<'a, Decision> {
         let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.urls.len();
-        let d = Decision { url: self.urls[slot].clone(), dp_rank: None, slot, uncached_tokens: 0 };
+        let d = Decision {
+            url: self.urls[slot].clone(),
+            dp_rank: None,
+            slot,
+            uncached_tokens: 0,
+        };
         Box::pin(async move { d })
     }
     fn on_done(&self, _d: &Decision) {
@@ -73,11 +84,22 @@ impl Route for RoundRobin {
 async fn replay_through_a_router_spreads_requests_and_reports_per_engine() {
     let (_a, ua) = serve(cfg("a")).await;
     let (_b, ub) = serve(cfg("b")).await;
-    let rr = Arc::new(RoundRobin { urls: vec![ua, ub], next: AtomicUsize::new(0), done: AtomicUsize::new(0) });
-    let rc = ReplayConfig { speed: 200.0, limit: Some(3), ..ReplayConfig::default() };
+    let rr = Arc::new(RoundRobin {
+        urls: vec![ua, ub],
+        next: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+    });
+    let rc = ReplayConfig {
+        speed: 200.0,
+        limit: Some(3),
+        ..ReplayConfig::default()
+    };
     let results = replay::run(&small_trace(), Target::Routed(rr.clone()), &rc, None).await;
     assert_eq!(results.len(), 3, "--limit");
-    let engines: Vec<&str> = results.iter().map(|r| r.engine.as_deref().unwrap()).collect();
+    let engines: Vec<&str> = results
+        .iter()
+        .map(|r| r.engine.as_deref().unwrap())
+        .collect();
     assert_eq!(engines, vec!["a", "b", "a"]);
     assert_eq!(rr.done.load(Ordering::Relaxed), 3);
     // Request 1 went to b, which had not seen blocks 1, 2.

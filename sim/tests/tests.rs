@@ -8,3 +8,5 @@ mod events;
 mod http;
 // Trace replay against engines, by URL and through an in-process router.
 mod replay;
+// The bench's KV-aware policies against a real collector and the oracle.
+mod bench;

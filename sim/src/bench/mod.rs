@@ -40,13 +40,23 @@ use policy::{KvAware, LeastRequest, MatchSource, RoundRobin, Slot};
 use report::{EngineLoad, PolicyResult};
 
 /// All policies, in run order.
-pub const POLICIES: [&str; 6] = ["round-robin", "least-request", "kvroute", "oracle", "vllm-router", "sglang-router"];
+pub const POLICIES: [&str; 6] = [
+    "round-robin",
+    "least-request",
+    "kvroute",
+    "oracle",
+    "vllm-router",
+    "sglang-router",
+];
 
 /// Flags of `kvroute-sim bench`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Mooncake-format trace.
-    #[arg(long, default_value = "../shared/traces/mooncake_synthetic_trace.jsonl")]
+    #[arg(
+        long,
+        default_value = "../shared/traces/mooncake_synthetic_trace.jsonl"
+    )]
     pub trace: PathBuf,
     /// Replay only the first N requests.
     #[arg(long)]
@@ -94,13 +104,36 @@ pub struct BenchArgs {
 
 const MODEL: &str = "sim-model";
 
-struct Fleet {
-    engines: Vec<Engine>,
-    urls: Vec<String>,
-    names: Vec<String>,
+/// The simulated engines of a bench, serving on loopback.
+#[derive(Debug)]
+pub struct Fleet {
+    pub engines: Vec<Engine>,
+    /// Base URLs, `http://127.0.0.1:port`.
+    pub urls: Vec<String>,
+    /// Instance ids.
+    pub names: Vec<String>,
 }
 
-async fn start_fleet(a: &BenchArgs) -> anyhow::Result<Fleet> {
+impl Fleet {
+    /// The engines as the in-process routers see them.
+    pub fn slots(&self) -> Vec<Slot> {
+        self.urls
+            .iter()
+            .zip(&self.names)
+            .map(|(u, n)| Slot {
+                url: u.clone(),
+                instance_id: n.clone(),
+            })
+            .collect()
+    }
+}
+
+/// Starts `a.engines` engines in this process, each with HTTP, PUB and replay sockets on
+/// loopback.
+///
+/// # Errors
+/// A socket that cannot bind.
+pub async fn start_fleet(a: &BenchArgs) -> anyhow::Result<Fleet> {
     let mut engines = Vec::new();
     let mut urls = Vec::new();
     let mut names = Vec::new();
@@ -111,7 +144,10 @@ async fn start_fleet(a: &BenchArgs) -> anyhow::Result<Fleet> {
         let e = Engine::start(EngineConfig {
             name: name.clone(),
             model: MODEL.into(),
-            cache: CacheConfig { block_size_tokens: a.block_size, capacity_blocks: a.capacity_blocks },
+            cache: CacheConfig {
+                block_size_tokens: a.block_size,
+                capacity_blocks: a.capacity_blocks,
+            },
             prefill_tokens_per_s: a.prefill_tokens_per_s,
             decode_per_token: Duration::from_secs_f64(a.decode_ms_per_token / 1000.0),
             speed: a.speed,
@@ -128,23 +164,39 @@ async fn start_fleet(a: &BenchArgs) -> anyhow::Result<Fleet> {
         names.push(name);
         engines.push(e);
     }
-    Ok(Fleet { engines, urls, names })
+    Ok(Fleet {
+        engines,
+        urls,
+        names,
+    })
 }
 
-/// Starts the real collector in-process, registered with every engine; returns its URL.
-async fn start_collector(a: &BenchArgs, fleet: &Fleet) -> anyhow::Result<String> {
-    let mut args = vec!["kvroute-collector".to_string(), "--listen".into(), "127.0.0.1:0".into()];
+/// Starts the real collector in-process (its library, configured from the same command line
+/// as its binary), registered with every engine; returns its URL.
+///
+/// # Errors
+/// A collector that refuses the configuration.
+pub async fn start_collector(a: &BenchArgs, fleet: &Fleet) -> anyhow::Result<String> {
+    let mut args = vec![
+        "kvroute-collector".to_string(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+    ];
     for (i, e) in fleet.engines.iter().enumerate() {
         let (ep, replay) = e.event_endpoints()[0].clone();
         let addr = fleet.urls[i].trim_start_matches("http://");
-        let mut spec = format!("instance_id={},endpoint={ep},model={MODEL},block_size={},address={addr}", fleet.names[i], a.block_size);
+        let mut spec = format!(
+            "instance_id={},endpoint={ep},model={MODEL},block_size={},address={addr}",
+            fleet.names[i], a.block_size
+        );
         if let Some(r) = replay {
             spec.push_str(&format!(",replay={r}"));
         }
         args.push("--worker".into());
         args.push(spec);
     }
-    let cli = <kvroute_collector::config::Cli as Parser>::try_parse_from(&args).context("collector command line")?;
+    let cli = <kvroute_collector::config::Cli as Parser>::try_parse_from(&args)
+        .context("collector command line")?;
     let config = cli.into_config().context("collector config")?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
@@ -196,20 +248,23 @@ fn engine_load(fleet: &Fleet) -> EngineLoad {
 /// # Errors
 /// Setup failures (trace, sockets, collector); a peer that cannot run is skipped instead.
 pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
-    let mut records = trace::load(&a.trace).with_context(|| format!("trace {}", a.trace.display()))?;
+    let mut records =
+        trace::load(&a.trace).with_context(|| format!("trace {}", a.trace.display()))?;
     if let Some(l) = a.limit {
         records.truncate(l);
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("create {}", a.out.display()))?;
     let fleet = start_fleet(&a).await?;
     let collector = start_collector(&a, &fleet).await?;
-    let slots: Vec<Slot> =
-        fleet.urls.iter().zip(&fleet.names).map(|(u, n)| Slot { url: u.clone(), instance_id: n.clone() }).collect();
+    let slots = fleet.slots();
     let peer_engines: Vec<PeerEngine> = fleet
         .engines
         .iter()
         .zip(&fleet.urls)
-        .map(|(e, u)| PeerEngine { url: u.clone(), events_endpoint: e.event_endpoints()[0].0.clone() })
+        .map(|(e, u)| PeerEngine {
+            url: u.clone(),
+            events_endpoint: e.event_endpoints()[0].0.clone(),
+        })
         .collect();
     let trace_span_s = records.last().map_or(0.0, |r| r.timestamp as f64 / 1000.0) / a.rate_scale;
     eprintln!(
@@ -221,9 +276,11 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
         a.engines,
         a.policies.join(", ")
     );
-    let style = ProgressStyle::with_template("{prefix:>14} [{bar:40.cyan/blue}] {pos}/{len} {elapsed_precise} {msg}")
-        .expect("template")
-        .progress_chars("=> ");
+    let style = ProgressStyle::with_template(
+        "{prefix:>14} [{bar:40.cyan/blue}] {pos}/{len} {elapsed_precise} {msg}",
+    )
+    .expect("template")
+    .progress_chars("=> ");
     let mut results: Vec<PolicyResult> = Vec::new();
     for name in &a.policies {
         let mut peer_running = None;
@@ -234,20 +291,44 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
             "least-request" => Target::Routed(Arc::new(LeastRequest::new(slots.clone(), a.seed))),
             "kvroute" | "oracle" => {
                 let source = if name == "kvroute" {
-                    MatchSource::Collector { client: reqwest::Client::new(), url: collector.clone(), model: MODEL.into() }
+                    MatchSource::Collector {
+                        client: reqwest::Client::new(),
+                        url: collector.clone(),
+                        model: MODEL.into(),
+                    }
                 } else {
-                    MatchSource::Oracle { engines: fleet.engines.clone() }
+                    MatchSource::Oracle {
+                        engines: fleet.engines.clone(),
+                    }
                 };
-                let k = Arc::new(KvAware::new(slots.clone(), source, a.block_size as u32, a.seed));
+                let k = Arc::new(KvAware::new(
+                    slots.clone(),
+                    source,
+                    a.block_size as u32,
+                    a.seed,
+                ));
                 kv = Some(k.clone());
                 Target::Routed(k)
             }
             "vllm-router" | "sglang-router" => {
-                let peer = if name == "vllm-router" { Peer::VllmRouter } else { Peer::SglangRouter };
+                let peer = if name == "vllm-router" {
+                    Peer::VllmRouter
+                } else {
+                    Peer::SglangRouter
+                };
                 if peer == Peer::SglangRouter {
                     api = Api::CompletionsText;
                 }
-                match peers::start(peer, &a.venv, &peer_engines, a.block_size, MODEL, &a.out.join("logs")).await {
+                match peers::start(
+                    peer,
+                    &a.venv,
+                    &peer_engines,
+                    a.block_size,
+                    MODEL,
+                    &a.out.join("logs"),
+                )
+                .await
+                {
                     Ok(r) => {
                         let url = r.url.clone();
                         peer_running = Some(r);
@@ -279,7 +360,9 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
             arrival_scale: a.rate_scale,
             ..ReplayConfig::default()
         };
-        let bar = ProgressBar::new(records.len() as u64).with_style(style.clone()).with_prefix(name.clone());
+        let bar = ProgressBar::new(records.len() as u64)
+            .with_style(style.clone())
+            .with_prefix(name.clone());
         let started = Instant::now();
         let per_request = replay::run(&records, target, &cfg, Some(bar.clone())).await;
         let wall_s = started.elapsed().as_secs_f64();
@@ -287,9 +370,20 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
         bar.finish_with_message(format!(
             "hit {:.1}%  TTFT p90 {:.2}s  failed {}",
             summary.hit_rate * 100.0,
-            summary.ttft_p90_s,
+            summary.model_ttft_p90_s,
             summary.failed
         ));
+        if bar.is_hidden() {
+            eprintln!(
+                "bench: {name}: hit {:.1}%, TTFT p50 {:.2}s p90 {:.2}s (client p90 {:.2}s), failed {}, {:.0}s wall",
+                summary.hit_rate * 100.0,
+                summary.model_ttft_p50_s,
+                summary.model_ttft_p90_s,
+                summary.ttft_p90_s,
+                summary.failed,
+                wall_s
+            );
+        }
         if let Some(p) = peer_running.take() {
             p.stop().await;
         }
@@ -299,11 +393,17 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
         results.push(PolicyResult {
             policy: name.clone(),
             skipped: None,
-            prefill_utilization: if capacity > 0.0 { engines.computed_tokens() as f64 / capacity } else { 0.0 },
+            prefill_utilization: if capacity > 0.0 {
+                engines.computed_tokens() as f64 / capacity
+            } else {
+                0.0
+            },
             summary: Some(summary),
             engines,
             wall_s,
-            query_errors: kv.as_ref().map_or(0, |k| k.query_errors.load(std::sync::atomic::Ordering::Relaxed)),
+            query_errors: kv.as_ref().map_or(0, |k| {
+                k.query_errors.load(std::sync::atomic::Ordering::Relaxed)
+            }),
             results: per_request,
         });
     }
@@ -332,13 +432,25 @@ fn write_outputs(a: &BenchArgs, results: &[PolicyResult], _fleet: &Fleet) -> any
         },
         "policies": results,
     });
-    std::fs::write(a.out.join("results.json"), serde_json::to_string_pretty(&json)?)?;
+    std::fs::write(
+        a.out.join("results.json"),
+        serde_json::to_string_pretty(&json)?,
+    )?;
     if report::load_font() {
         let title = format!("{} engines, {}x speed-up", a.engines, a.speed);
-        if let Err(e) = report::plot_ttft_cdf(results, &a.out.join("ttft_cdf.png"), &format!("TTFT CDF per policy ({title})")) {
+        if let Err(e) = report::plot_ttft_cdf(
+            results,
+            &a.out.join("ttft_cdf.png"),
+            &format!("TTFT CDF per policy ({title})"),
+        ) {
             eprintln!("bench: TTFT plot failed: {e}");
         }
-        if let Err(e) = report::plot_hit_rate(results, &a.out.join("hit_rate.png"), a.window_s, &format!("Prefix hit rate over time ({title})")) {
+        if let Err(e) = report::plot_hit_rate(
+            results,
+            &a.out.join("hit_rate.png"),
+            a.window_s,
+            &format!("Prefix hit rate over time ({title})"),
+        ) {
             eprintln!("bench: hit-rate plot failed: {e}");
         }
     } else {

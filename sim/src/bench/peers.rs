@@ -59,7 +59,10 @@ pub enum PeerError {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0)
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(0)
 }
 
 /// Starts `peer` on a free port in front of `engines` and waits until it answers.
@@ -84,38 +87,86 @@ pub async fn start(
                 return Err(PeerError::NotInstalled(peer.name(), bin));
             }
             let mut c = Command::new(bin);
-            c.args(["--host", "127.0.0.1", "--port", &port.to_string(), "--policy", "kv_aware"]);
+            c.args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--policy",
+                "kv_aware",
+            ]);
             c.arg("--worker-urls").args(&urls);
             for e in engines {
-                c.args(["--kv-event-source", &format!("{}={}", e.url, e.events_endpoint)]);
+                c.args([
+                    "--kv-event-source",
+                    &format!("{}={}", e.url, e.events_endpoint),
+                ]);
             }
-            c.args(["--kv-event-block-size", &block_size.to_string(), "--kv-event-model", model]);
-            c.args(["--prometheus-host", "127.0.0.1", "--prometheus-port", &metrics_port.to_string()]);
+            c.args([
+                "--kv-event-block-size",
+                &block_size.to_string(),
+                "--kv-event-model",
+                model,
+            ]);
+            c.args([
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                &metrics_port.to_string(),
+            ]);
             c
         }
         Peer::SglangRouter => {
             let py = venv.join("bin/python");
             let ok = py.exists()
-                && venv.join("lib").read_dir().map(|mut d| d.any(|p| p.is_ok_and(|p| p.path().join("site-packages/sglang_router").exists()))).unwrap_or(false);
+                && venv
+                    .join("lib")
+                    .read_dir()
+                    .map(|mut d| {
+                        d.any(|p| {
+                            p.is_ok_and(|p| p.path().join("site-packages/sglang_router").exists())
+                        })
+                    })
+                    .unwrap_or(false);
             if !ok {
                 return Err(PeerError::NotInstalled(peer.name(), venv.to_path_buf()));
             }
             let mut c = Command::new(py);
-            c.args(["-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", &port.to_string()]);
+            c.args([
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+            ]);
             c.arg("--worker-urls").args(&urls);
             c.args(["--policy", "cache_aware", "--log-level", "warn"]);
-            c.args(["--prometheus-host", "127.0.0.1", "--prometheus-port", &metrics_port.to_string()]);
+            c.args([
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                &metrics_port.to_string(),
+            ]);
             c
         }
     };
     let _ = std::fs::create_dir_all(log_dir);
     let log_path = log_dir.join(format!("{}.log", peer.name()));
     let log = std::fs::File::create(&log_path).map_err(|e| PeerError::Spawn(peer.name(), e))?;
-    let log2 = log.try_clone().map_err(|e| PeerError::Spawn(peer.name(), e))?;
-    cmd.stdout(Stdio::from(log)).stderr(Stdio::from(log2)).stdin(Stdio::null()).kill_on_drop(true);
+    let log2 = log
+        .try_clone()
+        .map_err(|e| PeerError::Spawn(peer.name(), e))?;
+    cmd.stdout(Stdio::from(log))
+        .stderr(Stdio::from(log2))
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
     let child = cmd.spawn().map_err(|e| PeerError::Spawn(peer.name(), e))?;
     let url = format!("http://127.0.0.1:{port}");
-    let running = Running { url: url.clone(), child };
+    let running = Running {
+        url: url.clone(),
+        child,
+    };
     let client = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(90);
     // Ready: a completion goes through the router to an engine.
@@ -132,5 +183,9 @@ pub async fn start(
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     running.stop().await;
-    Err(PeerError::NotReady(peer.name(), Duration::from_secs(90), log_path))
+    Err(PeerError::NotReady(
+        peer.name(),
+        Duration::from_secs(90),
+        log_path,
+    ))
 }

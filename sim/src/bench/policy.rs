@@ -57,14 +57,22 @@ pub struct RoundRobin {
 
 impl RoundRobin {
     pub fn new(slots: Vec<Slot>) -> RoundRobin {
-        RoundRobin { slots, next: AtomicUsize::new(0) }
+        RoundRobin {
+            slots,
+            next: AtomicUsize::new(0),
+        }
     }
 }
 
 impl Route for RoundRobin {
     fn route<'a>(&'a self, _req: RouteRequest<'a>) -> BoxFuture<'a, Decision> {
         let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-        let d = Decision { url: self.slots[slot].url.clone(), dp_rank: None, slot, uncached_tokens: 0 };
+        let d = Decision {
+            url: self.slots[slot].url.clone(),
+            dp_rank: None,
+            slot,
+            uncached_tokens: 0,
+        };
         Box::pin(async move { d })
     }
 }
@@ -80,19 +88,33 @@ pub struct LeastRequest {
 impl LeastRequest {
     pub fn new(slots: Vec<Slot>, seed: u64) -> LeastRequest {
         let n = slots.len();
-        LeastRequest { slots, load: Load::new(n), rng: Mutex::new(SplitMix64(seed)) }
+        LeastRequest {
+            slots,
+            load: Load::new(n),
+            rng: Mutex::new(SplitMix64(seed)),
+        }
     }
 }
 
 impl Route for LeastRequest {
     fn route<'a>(&'a self, _req: RouteRequest<'a>) -> BoxFuture<'a, Decision> {
-        let loads: Vec<usize> = self.load.requests.iter().map(|a| a.load(Ordering::Relaxed)).collect();
+        let loads: Vec<usize> = self
+            .load
+            .requests
+            .iter()
+            .map(|a| a.load(Ordering::Relaxed))
+            .collect();
         let min = loads.iter().copied().min().unwrap_or(0);
         let ties: Vec<usize> = (0..loads.len()).filter(|&i| loads[i] == min).collect();
         let r = select::Random::next_u64(&mut *self.rng.lock().expect("rng"));
         let slot = ties[(r % ties.len() as u64) as usize];
         self.load.add(slot, 0);
-        let d = Decision { url: self.slots[slot].url.clone(), dp_rank: None, slot, uncached_tokens: 0 };
+        let d = Decision {
+            url: self.slots[slot].url.clone(),
+            dp_rank: None,
+            slot,
+            uncached_tokens: 0,
+        };
         Box::pin(async move { d })
     }
     fn on_done(&self, d: &Decision) {
@@ -104,7 +126,11 @@ impl Route for LeastRequest {
 #[derive(Debug)]
 pub enum MatchSource {
     /// The real kvroute collector, asked `POST /query` per request (the filter's remote mode).
-    Collector { client: reqwest::Client, url: String, model: String },
+    Collector {
+        client: reqwest::Client,
+        url: String,
+        model: String,
+    },
     /// Every engine's cache, read exactly (in-process).
     Oracle { engines: Vec<Engine> },
 }
@@ -148,7 +174,10 @@ impl KvAware {
                 .map(|e| {
                     let per_rank = e.cached_prefix_tokens(tokens);
                     select::fold_ranks(
-                        per_rank.iter().enumerate().map(|(r, &t)| (r as u32, [(t as u64 / bs) as u32; 3])),
+                        per_rank
+                            .iter()
+                            .enumerate()
+                            .map(|(r, &t)| (r as u32, [(t as u64 / bs) as u32; 3])),
                         &self.weights,
                     )
                 })
@@ -168,22 +197,39 @@ impl KvAware {
                     self.query_errors.fetch_add(1, Ordering::Relaxed);
                     return out;
                 };
-                let Some(instances) = v.get("instances").and_then(|i| i.as_object()) else { return out };
+                let Some(instances) = v.get("instances").and_then(|i| i.as_object()) else {
+                    return out;
+                };
                 for (i, slot) in self.slots.iter().enumerate() {
-                    let Some(m) = instances.get(&slot.instance_id) else { continue };
+                    let Some(m) = instances.get(&slot.instance_id) else {
+                        continue;
+                    };
                     let tok = |k: &str| m.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
-                    let (gpu, cpu, disk) = (tok("gpu"), tok("cpu").max(tok("gpu")), tok("disk").max(tok("longest_matched")));
+                    let (gpu, cpu, disk) = (
+                        tok("gpu"),
+                        tok("cpu").max(tok("gpu")),
+                        tok("disk").max(tok("longest_matched")),
+                    );
                     let ranks: Vec<(u32, [u32; 3])> = m
                         .get("dp")
                         .and_then(|d| d.as_object())
                         .map(|d| {
                             d.iter()
-                                .filter_map(|(r, t)| Some((r.parse().ok()?, [(t.as_u64()? / bs) as u32; 3])))
+                                .filter_map(|(r, t)| {
+                                    Some((r.parse().ok()?, [(t.as_u64()? / bs) as u32; 3]))
+                                })
                                 .collect()
                         })
                         .unwrap_or_default();
-                    let rank = if ranks.len() > 1 { select::fold_ranks(ranks, &self.weights).1 } else { ranks.first().map_or(0, |r| r.0) };
-                    out[i] = ([(gpu / bs) as u32, (cpu / bs) as u32, (disk / bs) as u32], rank);
+                    let rank = if ranks.len() > 1 {
+                        select::fold_ranks(ranks, &self.weights).1
+                    } else {
+                        ranks.first().map_or(0, |r| r.0)
+                    };
+                    out[i] = (
+                        [(gpu / bs) as u32, (cpu / bs) as u32, (disk / bs) as u32],
+                        rank,
+                    );
                 }
                 out
             }
@@ -208,19 +254,44 @@ impl Route for KvAware {
                 .collect();
             let (slot, rank) = {
                 let mut rng = self.rng.lock().expect("rng");
-                match select::pick(&candidates, query_blocks, self.block_size, &self.weights, &mut *rng) {
+                match select::pick(
+                    &candidates,
+                    query_blocks,
+                    self.block_size,
+                    &self.weights,
+                    &mut *rng,
+                ) {
                     Some(c) => (c.best, Some(c.dp_rank)),
                     None => {
-                        let unmatched: Vec<Candidate> =
-                            candidates.iter().map(|c| Candidate { matched: [0; 3], ..*c }).collect();
-                        (least_cost(&unmatched, query_blocks, self.block_size, &self.weights, &mut *rng), None)
+                        let unmatched: Vec<Candidate> = candidates
+                            .iter()
+                            .map(|c| Candidate {
+                                matched: [0; 3],
+                                ..*c
+                            })
+                            .collect();
+                        (
+                            least_cost(
+                                &unmatched,
+                                query_blocks,
+                                self.block_size,
+                                &self.weights,
+                                &mut *rng,
+                            ),
+                            None,
+                        )
                     }
                 }
             };
             let matched_tokens = matches[slot].0[2] as usize * self.block_size as usize;
             let uncached = req.tokens.len().saturating_sub(matched_tokens);
             self.load.add(slot, uncached);
-            Decision { url: self.slots[slot].url.clone(), dp_rank: rank, slot, uncached_tokens: uncached }
+            Decision {
+                url: self.slots[slot].url.clone(),
+                dp_rank: rank,
+                slot,
+                uncached_tokens: uncached,
+            }
         })
     }
     fn on_first_token(&self, d: &Decision) {
@@ -232,8 +303,17 @@ impl Route for KvAware {
 }
 
 /// The cheapest candidate by `select::cost`, random among exact ties.
-fn least_cost(c: &[Candidate], query_blocks: u32, block_size: u32, w: &Weights, rng: &mut SplitMix64) -> usize {
-    let costs: Vec<f64> = c.iter().map(|c| select::cost(c, query_blocks, block_size, w)).collect();
+fn least_cost(
+    c: &[Candidate],
+    query_blocks: u32,
+    block_size: u32,
+    w: &Weights,
+    rng: &mut SplitMix64,
+) -> usize {
+    let costs: Vec<f64> = c
+        .iter()
+        .map(|c| select::cost(c, query_blocks, block_size, w))
+        .collect();
     let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
     let ties: Vec<usize> = (0..c.len()).filter(|&i| costs[i] == min).collect();
     ties[(select::Random::next_u64(rng) % ties.len() as u64) as usize]
@@ -244,16 +324,30 @@ mod tests {
     use super::*;
 
     fn slots(n: usize) -> Vec<Slot> {
-        (0..n).map(|i| Slot { url: format!("http://e{i}"), instance_id: format!("e{i}") }).collect()
+        (0..n)
+            .map(|i| Slot {
+                url: format!("http://e{i}"),
+                instance_id: format!("e{i}"),
+            })
+            .collect()
     }
 
     #[test]
     fn least_cost_prefers_less_queued_prefill() {
         let c = [
-            Candidate { in_flight_prefill_tokens: 1000, ..Candidate::default() },
-            Candidate { in_flight_prefill_tokens: 10, ..Candidate::default() },
+            Candidate {
+                in_flight_prefill_tokens: 1000,
+                ..Candidate::default()
+            },
+            Candidate {
+                in_flight_prefill_tokens: 10,
+                ..Candidate::default()
+            },
         ];
-        assert_eq!(least_cost(&c, 4, 16, &Weights::default(), &mut SplitMix64(1)), 1);
+        assert_eq!(
+            least_cost(&c, 4, 16, &Weights::default(), &mut SplitMix64(1)),
+            1
+        );
     }
 
     #[tokio::test]
@@ -261,7 +355,13 @@ mod tests {
         let lr = LeastRequest::new(slots(3), 1);
         let mut ds = Vec::new();
         for i in 0..6 {
-            ds.push(lr.route(RouteRequest { index: i, tokens: &[] }).await);
+            ds.push(
+                lr.route(RouteRequest {
+                    index: i,
+                    tokens: &[],
+                })
+                .await,
+            );
         }
         let mut per = [0; 3];
         for d in &ds {
@@ -269,7 +369,12 @@ mod tests {
         }
         assert_eq!(per, [2, 2, 2]);
         lr.on_done(&ds[0]);
-        let next = lr.route(RouteRequest { index: 6, tokens: &[] }).await;
+        let next = lr
+            .route(RouteRequest {
+                index: 6,
+                tokens: &[],
+            })
+            .await;
         assert_eq!(next.slot, ds[0].slot);
     }
 }

@@ -36,7 +36,12 @@ impl EngineLoad {
 
     /// Busiest engine's computed (uncached) prefill tokens / mean.
     pub fn prefill_spread(&self) -> f64 {
-        let v: Vec<u64> = self.prompt_tokens.iter().zip(&self.cached_tokens).map(|(p, c)| p - c).collect();
+        let v: Vec<u64> = self
+            .prompt_tokens
+            .iter()
+            .zip(&self.cached_tokens)
+            .map(|(p, c)| p - c)
+            .collect();
         max_over_mean(&v)
     }
 
@@ -86,19 +91,20 @@ fn ms(s: f64) -> String {
 /// The results table, markdown.
 pub fn table(results: &[PolicyResult]) -> String {
     let mut t = String::new();
-    t.push_str("| policy | prefix hit rate | TTFT p50 | TTFT p90 | TTFT p99 | throughput (req/s) | tokens/s | max/mean requests | max/mean prefill | prefill util. | failed |\n");
-    t.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    t.push_str("| policy | prefix hit rate | TTFT p50 | TTFT p90 | TTFT p99 | client TTFT p90 | throughput (req/s) | tokens/s | max/mean requests | max/mean prefill | prefill util. | failed |\n");
+    t.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for r in results {
         match (&r.summary, &r.skipped) {
             (Some(s), None) => {
                 let _ = writeln!(
                     t,
-                    "| {} | {:.1} % | {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.2} | {:.0} % | {} |",
+                    "| {} | {:.1} % | {} | {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.2} | {:.0} % | {} |",
                     r.policy,
                     r.engines.hit_rate() * 100.0,
-                    ms(s.ttft_p50_s),
+                    ms(s.model_ttft_p50_s),
+                    ms(s.model_ttft_p90_s),
+                    ms(s.model_ttft_p99_s),
                     ms(s.ttft_p90_s),
-                    ms(s.ttft_p99_s),
                     s.requests_per_s,
                     s.tokens_per_s,
                     r.engines.request_spread(),
@@ -108,7 +114,12 @@ pub fn table(results: &[PolicyResult]) -> String {
                 );
             }
             (_, Some(why)) => {
-                let _ = writeln!(t, "| {} | skipped: {} | | | | | | | | | |", r.policy, why.replace('|', "/"));
+                let _ = writeln!(
+                    t,
+                    "| {} | skipped: {} | | | | | | | | | | |",
+                    r.policy,
+                    why.replace('|', "/")
+                );
             }
             _ => {}
         }
@@ -151,7 +162,10 @@ type PlotResult = Result<(), Box<dyn std::error::Error>>;
 pub fn plot_ttft_cdf(results: &[PolicyResult], path: &Path, title: &str) -> PlotResult {
     let root = BitMapBackend::new(path, (1000, 620)).into_drawing_area();
     root.fill(&WHITE)?;
-    let all: Vec<f64> = results.iter().flat_map(|r| r.results.iter().filter_map(|x| x.ttft_s)).collect();
+    let all: Vec<f64> = results
+        .iter()
+        .flat_map(|r| r.results.iter().filter_map(|x| x.model_ttft_s.or(x.ttft_s)))
+        .collect();
     let lo = all.iter().copied().fold(f64::INFINITY, f64::min).max(1e-3);
     let hi = all.iter().copied().fold(0.0, f64::max).max(lo * 10.0);
     let mut chart = ChartBuilder::on(&root)
@@ -162,19 +176,26 @@ pub fn plot_ttft_cdf(results: &[PolicyResult], path: &Path, title: &str) -> Plot
         .build_cartesian_2d((lo * 0.8..hi * 1.2).log_scale(), 0.0..1.0)?;
     chart
         .configure_mesh()
-        .x_desc("time to first token (s, simulated)")
+        .x_desc("time to first token (s, simulated, engine model)")
         .y_desc("fraction of requests")
         .label_style(("sans-serif", 15))
         .draw()?;
     for (i, r) in results.iter().filter(|r| r.skipped.is_none()).enumerate() {
-        let mut v: Vec<f64> = r.results.iter().filter_map(|x| x.ttft_s).collect();
+        let mut v: Vec<f64> = r.results.iter().filter_map(|x| x.model_ttft_s.or(x.ttft_s)).collect();
         v.sort_by(f64::total_cmp);
         let n = v.len().max(1) as f64;
         let color = COLORS[i % COLORS.len()];
         chart
-            .draw_series(LineSeries::new(v.iter().enumerate().map(|(k, &t)| (t.max(lo), (k + 1) as f64 / n)), color.stroke_width(2)))?
+            .draw_series(LineSeries::new(
+                v.iter()
+                    .enumerate()
+                    .map(|(k, &t)| (t.max(lo), (k + 1) as f64 / n)),
+                color.stroke_width(2),
+            ))?
             .label(r.policy.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
+            });
     }
     chart
         .configure_series_labels()
@@ -188,10 +209,19 @@ pub fn plot_ttft_cdf(results: &[PolicyResult], path: &Path, title: &str) -> Plot
 }
 
 /// Prefix hit rate (cached / prompt tokens) per window of trace time, per policy.
-pub fn plot_hit_rate(results: &[PolicyResult], path: &Path, window_s: f64, title: &str) -> PlotResult {
+pub fn plot_hit_rate(
+    results: &[PolicyResult],
+    path: &Path,
+    window_s: f64,
+    title: &str,
+) -> PlotResult {
     let root = BitMapBackend::new(path, (1000, 620)).into_drawing_area();
     root.fill(&WHITE)?;
-    let end = results.iter().flat_map(|r| r.results.iter().map(|x| x.sent_at_s)).fold(0.0, f64::max).max(window_s);
+    let end = results
+        .iter()
+        .flat_map(|r| r.results.iter().map(|x| x.sent_at_s))
+        .fold(0.0, f64::max)
+        .max(window_s);
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))
         .margin(12)
@@ -215,17 +245,24 @@ pub fn plot_hit_rate(results: &[PolicyResult], path: &Path, window_s: f64, title
         }
         let pts: Vec<(f64, f64)> = (0..=buckets)
             .filter(|&b| prompt[b] > 0)
-            .map(|b| ((b as f64 + 0.5) * window_s, cached[b] as f64 / prompt[b] as f64))
+            .map(|b| {
+                (
+                    (b as f64 + 0.5) * window_s,
+                    cached[b] as f64 / prompt[b] as f64,
+                )
+            })
             .collect();
         let color = COLORS[i % COLORS.len()];
         chart
             .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
             .label(r.policy.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
+            });
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(SeriesLabelPosition::UpperLeft)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .label_font(("sans-serif", 15))
@@ -240,7 +277,11 @@ mod tests {
 
     #[test]
     fn spreads_and_hit_rate_come_from_engine_counters() {
-        let l = EngineLoad { requests: vec![3, 1, 2], prompt_tokens: vec![100, 100, 200], cached_tokens: vec![50, 0, 100] };
+        let l = EngineLoad {
+            requests: vec![3, 1, 2],
+            prompt_tokens: vec![100, 100, 200],
+            cached_tokens: vec![50, 0, 100],
+        };
         assert!((l.hit_rate() - 0.375).abs() < 1e-9);
         assert!((l.request_spread() - 1.5).abs() < 1e-9);
         assert!((l.prefill_spread() - 100.0 / (250.0 / 3.0)).abs() < 1e-9);
