@@ -1190,6 +1190,98 @@ impl<S: Store> HolderView for BucketView<'_, S> {
     }
 }
 
+/// A [`HolderView`] over a prompt that hashes lazily: the walk is given the *depths*
+/// `BlockKey(0), BlockKey(1), ...` (see [`depth_keys`]) and this view computes sequence hashes
+/// only up to the deepest depth it is asked about, and a block key only for the depths it
+/// reads. A prompt whose first block nobody holds costs one block hash; a full match costs the
+/// chain of block hashes but only `reads` key hashes instead of one per block.
+#[derive(Debug)]
+pub struct PrefixView<'a, S: Store> {
+    inner: BucketView<'a, S>,
+    tokens: &'a [u32],
+    block_size: usize,
+    seed: u64,
+    scope: crate::scope::ScopeId,
+    seqs: RefCell<Vec<crate::hash::SeqHash>>,
+}
+
+impl<'a, S: Store> PrefixView<'a, S> {
+    /// `seqs` is a reusable buffer (cleared here); get it back with [`PrefixView::into_seqs`].
+    pub fn new(
+        inner: BucketView<'a, S>,
+        tokens: &'a [u32],
+        block_size: usize,
+        seed: u64,
+        scope: crate::scope::ScopeId,
+        mut seqs: Vec<crate::hash::SeqHash>,
+    ) -> Self {
+        seqs.clear();
+        PrefixView {
+            inner,
+            tokens,
+            block_size: block_size.max(1),
+            seed,
+            scope,
+            seqs: RefCell::new(seqs),
+        }
+    }
+
+    /// Full blocks of the prompt: the length of the depth list to walk.
+    pub fn blocks(&self) -> usize {
+        self.tokens.len() / self.block_size
+    }
+
+    /// Blocks hashed so far.
+    pub fn hashed(&self) -> usize {
+        self.seqs.borrow().len()
+    }
+
+    pub fn reads(&self) -> u32 {
+        self.inner.reads()
+    }
+
+    pub fn into_seqs(self) -> Vec<crate::hash::SeqHash> {
+        self.seqs.into_inner()
+    }
+
+    /// The sequence hash at `depth`, extending the chain as needed.
+    fn seq_at(&self, depth: usize) -> Option<crate::hash::SeqHash> {
+        let mut seqs = self.seqs.try_borrow_mut().ok()?;
+        while seqs.len() <= depth {
+            let i = seqs.len();
+            let block = self
+                .tokens
+                .get(i * self.block_size..(i + 1) * self.block_size)?;
+            let parent = seqs.last().copied();
+            seqs.push(crate::hash::chain(
+                parent,
+                crate::hash::block_hash(block, self.seed),
+            ));
+        }
+        seqs.get(depth).copied()
+    }
+}
+
+impl<S: Store> HolderView for PrefixView<'_, S> {
+    fn holders(&self, depth: BlockKey, out: &mut Vec<(WorkerId, TierMask)>) {
+        if let Some(seq) = self.seq_at(depth.0 as usize) {
+            self.inner.holders(self.scope.key(seq), out);
+        }
+    }
+}
+
+/// Fills `out` with the depths `BlockKey(0) .. BlockKey(n)`: the "keys" a [`PrefixView`] walk
+/// is given.
+pub fn depth_keys(n: usize, out: &mut Vec<BlockKey>) {
+    if out.len() > n {
+        out.truncate(n);
+    }
+    for i in out.len()..n {
+        out.push(BlockKey(i as u64));
+    }
+    // Earlier fills wrote the same values: nothing to rewrite below `out.len()`.
+}
+
 // ---------------------------------------------------------------------------------------------
 // In-flight load
 
@@ -1475,6 +1567,59 @@ mod tests {
         rows.remove(5, 1, Tier::Cpu);
         rows.remove(5, 0, Tier::Cpu);
         assert_eq!(rows.keys(), 1);
+    }
+
+    #[test]
+    fn prefix_view_hashes_lazily_and_matches_the_eager_walk() {
+        let store = MemStore::new();
+        let keys = Keys::new("t");
+        let l = limits(8);
+        let tokens: Vec<u32> = (0..16 * 64).collect();
+        let scope = crate::scope::ScopeId::of("default", "m", None, None);
+        let seqs =
+            crate::hash::sequence_hashes(&tokens, 16, crate::hash::seed(None, None)).unwrap();
+        let bkeys: Vec<u64> = seqs.iter().map(|s| scope.key(*s).0).collect();
+        let ops = vec![
+            worker(0, "a", 0),
+            worker(1, "b", 0),
+            blocks(0, Tier::Gpu, true, &bkeys[..40]),
+            blocks(1, Tier::Gpu, true, &bkeys[..7]),
+        ];
+        apply_page(&store, &keys, &l, &page(Page::RESET, 1, 1, ops), 0).unwrap();
+        let (st, _) = read_state(&store, &keys).unwrap();
+        let eager: Vec<BlockKey> = bkeys.iter().map(|&k| BlockKey(k)).collect();
+        let want = longest_matches(
+            &BucketView::new(&store, &keys, &st, l.buckets_log2),
+            &eager,
+            &mut WalkStats::default(),
+        );
+        let view = PrefixView::new(
+            BucketView::new(&store, &keys, &st, l.buckets_log2),
+            &tokens,
+            16,
+            crate::hash::seed(None, None),
+            scope,
+            Vec::new(),
+        );
+        let mut depths = Vec::new();
+        depth_keys(view.blocks(), &mut depths);
+        let got = longest_matches(&view, &depths, &mut WalkStats::default());
+        assert_eq!(got, want);
+        assert!(view.hashed() < 64, "hashed {} of 64 blocks", view.hashed());
+        // Nobody holds the first block of another prompt: one block hashed.
+        let other: Vec<u32> = (5000..5000 + 16 * 64).collect();
+        let view = PrefixView::new(
+            BucketView::new(&store, &keys, &st, l.buckets_log2),
+            &other,
+            16,
+            crate::hash::seed(None, None),
+            scope,
+            Vec::new(),
+        );
+        assert!(longest_matches(&view, &depths, &mut WalkStats::default()).is_empty());
+        assert_eq!(view.hashed(), 1);
+        depth_keys(3, &mut depths);
+        assert_eq!(depths, vec![BlockKey(0), BlockKey(1), BlockKey(2)]);
     }
 
     #[test]

@@ -161,6 +161,27 @@ const fn b64_table() -> [u8; 256] {
 
 static B64: [u8; 256] = b64_table();
 
+/// Bit 31 of a position table entry: not a base64 character.
+const B64_BAD_BIT: u32 = 1 << 31;
+
+const fn b64_shifted(shift: u32) -> [u32; 256] {
+    let t = b64_table();
+    let mut out = [B64_BAD_BIT; 256];
+    let mut i = 0;
+    while i < 256 {
+        if t[i] != B64_BAD {
+            out[i] = (t[i] as u32) << shift;
+        }
+        i += 1;
+    }
+    out
+}
+
+static B64_0: [u32; 256] = b64_shifted(18);
+static B64_1: [u32; 256] = b64_shifted(12);
+static B64_2: [u32; 256] = b64_shifted(6);
+static B64_3: [u32; 256] = b64_shifted(0);
+
 /// Decodes base64 of little-endian `u32`s into `out`.
 ///
 /// # Errors
@@ -186,26 +207,26 @@ pub fn decode_base64_u32(
         return Err(IntakeError::TooMany(max_tokens));
     }
     out.reserve(bytes / 4);
-    // 16 characters are 12 bytes are 3 tokens.
+    // 16 characters are 12 bytes are 3 tokens. Each character's 6 bits come pre-shifted
+    // from a table per position; bit 31 marks a bad character, checked once per 16.
     let mut chunks = s.chunks_exact(16);
     for (ci, c) in (&mut chunks).enumerate() {
-        let mut acc = [0u8; 12];
-        for q in 0..4 {
-            let a = B64[c[q * 4] as usize];
-            let b = B64[c[q * 4 + 1] as usize];
-            let cc = B64[c[q * 4 + 2] as usize];
-            let d = B64[c[q * 4 + 3] as usize];
-            if (a | b | cc | d) == B64_BAD || (a | b | cc | d) > 63 {
-                return Err(IntakeError::Base64(ci * 16 + q * 4));
-            }
-            let w = (a as u32) << 18 | (b as u32) << 12 | (cc as u32) << 6 | d as u32;
-            acc[q * 3] = (w >> 16) as u8;
-            acc[q * 3 + 1] = (w >> 8) as u8;
-            acc[q * 3 + 2] = w as u8;
+        let quad = |q: usize| {
+            B64_0[c[q * 4] as usize]
+                | B64_1[c[q * 4 + 1] as usize]
+                | B64_2[c[q * 4 + 2] as usize]
+                | B64_3[c[q * 4 + 3] as usize]
+        };
+        let (w0, w1, w2, w3) = (quad(0), quad(1), quad(2), quad(3));
+        if (w0 | w1 | w2 | w3) & B64_BAD_BIT != 0 {
+            return Err(IntakeError::Base64(ci * 16));
         }
-        for t in acc.chunks_exact(4) {
-            out.push(u32::from_le_bytes([t[0], t[1], t[2], t[3]]));
-        }
+        // Bytes in order: w0 >> 16, w0 >> 8, w0, w1 >> 16, ... (each word holds 3 bytes).
+        let b = |w: u32, k: u32| (w >> (16 - 8 * k)) & 0xff;
+        let t0 = b(w0, 0) | b(w0, 1) << 8 | b(w0, 2) << 16 | b(w1, 0) << 24;
+        let t1 = b(w1, 1) | b(w1, 2) << 8 | b(w2, 0) << 16 | b(w2, 1) << 24;
+        let t2 = b(w2, 2) | b(w3, 0) << 8 | b(w3, 1) << 16 | b(w3, 2) << 24;
+        out.extend_from_slice(&[t0, t1, t2]);
     }
     // Tail: fewer than 16 characters, decoded bitwise.
     let tail = chunks.remainder();

@@ -3,7 +3,7 @@
 use std::rc::Rc;
 
 use kvroute::api::{QueryRequest, QueryResponse};
-use kvroute::bucket::{self, BucketView, Meta, Store};
+use kvroute::bucket::{self, depth_keys, BucketView, Meta, PrefixView, Store};
 use kvroute::hash;
 use kvroute::intake::{self, Found, IntakeError};
 use kvroute::lookup::{longest_matches, WalkStats};
@@ -379,21 +379,28 @@ impl Http {
             Res::Done(Some(Tok::Body(s, e))) => body_tokens.get(s..e).unwrap_or_default(),
             _ => &[],
         };
-        if hash::sequence_hashes_into(tokens, block_size as usize, seed, seqs).is_err() {
-            self.finish(vm, Outcome::NoMatch);
-            return Action::Continue;
-        }
-        keys.clear();
-        keys.extend(seqs.iter().map(|s| scope.key(*s)));
-        if keys.is_empty() {
-            self.finish(vm, Outcome::NoMatch);
-            return Action::Continue;
-        }
-        let view = BucketView::new(&store, &vm.keys, &state, cfg.limits.buckets_log2);
+        // Sequence hashes are computed lazily, as deep as the bisection looks, and block
+        // keys only for the depths it reads (see `PrefixView`).
+        let view = PrefixView::new(
+            BucketView::new(&store, &vm.keys, &state, cfg.limits.buckets_log2),
+            tokens,
+            block_size as usize,
+            seed,
+            scope,
+            std::mem::take(seqs),
+        );
+        let query_blocks = view.blocks();
+        depth_keys(query_blocks, keys);
         let mut stats = WalkStats::default();
-        let matches = longest_matches(&view, keys, &mut stats);
-        self.reads = view.reads() + 2;
-        host::record_metric(vm.metrics.lookup_reads, view.reads() as u64);
+        let matches = if query_blocks == 0 {
+            Vec::new()
+        } else {
+            longest_matches(&view, keys, &mut stats)
+        };
+        let reads = view.reads();
+        *seqs = view.into_seqs();
+        self.reads = reads + 2;
+        host::record_metric(vm.metrics.lookup_reads, reads as u64);
         if matches.is_empty() {
             self.finish(vm, Outcome::NoMatch);
             return Action::Continue;
@@ -432,7 +439,7 @@ impl Http {
             };
             select::pick(
                 &cands,
-                keys.len() as u32,
+                query_blocks as u32,
                 block_size,
                 &cfg.weights,
                 &mut *rng,
