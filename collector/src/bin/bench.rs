@@ -693,6 +693,19 @@ fn query_ours(args: &Args) -> Result<QueryStats, String> {
             state.read().index.stats().holds
         ));
     }
+    // Where a request's server time goes, without the network.
+    let body = serde_json::json!({"token_ids": prompt, "model_name": MODEL}).to_string();
+    let t = Instant::now();
+    for _ in 0..1000 {
+        std::hint::black_box(kvroute_collector::fastjson::parse_query(std::hint::black_box(body.as_bytes())));
+    }
+    let parse_us = t.elapsed().as_secs_f64() * 1e3;
+    let t = Instant::now();
+    for _ in 0..1000 {
+        let _ = std::hint::black_box(state.read().query_tokens(&prompt, MODEL, None, None, None));
+    }
+    let query_us = t.elapsed().as_secs_f64() * 1e3;
+    eprintln!("server work per /query: body scan {parse_us:.1} µs, hash + match {query_us:.1} µs");
     let stats = load(addr, &prompt, args);
     // Check the answer is right.
     let check = server
