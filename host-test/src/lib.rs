@@ -22,6 +22,30 @@
 //! # Ok::<(), kvroute_host_test::HostError>(())
 //! ```
 //!
+//! # API at a glance
+//!
+//! - Load: [`Gateway::load`]`(path, config)`, or [`Gateway::builder`] with `.config()`,
+//!   `.workers(n)`, `.allow_on_headers_stop_iteration(true)`, `.higress()`,
+//!   `.buffer_limit_bytes()`, `.vm_id()`, `.property()`, `.fuel(false)`, then `.build()`;
+//!   modules of this workspace by name: [`built_wasm`]`("kvroute_filter")`.
+//! - Requests: [`Gateway::request`] → [`RequestBuilder`] (`.header()`, `.json_body()`,
+//!   `.body()`, `.chunk_size()`, `.trailer()`, `.worker(i)`, `.property()`,
+//!   `.upstream_response()`, `.hold_response()`) → `.send()` → [`Outcome`] (`continued()`,
+//!   `paused()`, `header()`, `request_headers`, `local_response`, `response`, `status()`,
+//!   `override_host`, `fuel`, `error()`), or `.start()` → [`RequestId`], later
+//!   [`Gateway::outcome`]; [`Gateway::respond`], [`Gateway::reset`].
+//! - Callouts: [`Gateway::cluster`] / [`Gateway::cluster_forward`] /
+//!   [`Gateway::cluster_manual`], [`Gateway::pending_callouts`], [`Gateway::reply`],
+//!   [`Gateway::callouts`].
+//! - Time: [`Gateway::advance`], [`Gateway::now`], [`Gateway::tick_period`].
+//! - State: [`Gateway::shared_data`], [`Gateway::set_shared_data`],
+//!   [`Gateway::prefill_shared_data`], [`Gateway::shared_data_len`] (key count),
+//!   [`Gateway::shared_data_bytes`], [`Gateway::enqueue`], [`Gateway::metric`],
+//!   [`Gateway::histogram`], [`Gateway::logs`], [`Gateway::log_contains`],
+//!   [`Gateway::set_property`], [`Gateway::foreign_function`],
+//!   [`Gateway::set_upstream_hosts`], [`Gateway::errors`], [`Gateway::restarts`].
+//! - Benchmarks: [`bench::run`] → [`bench::BenchRun`] (wall time and fuel).
+//!
 //! # What it models
 //!
 //! - **Loading** ([`Gateway::load`], [`Gateway::builder`]): links every `env.proxy_*` import

@@ -17,8 +17,8 @@ pub enum HostError {
         /// I/O error.
         reason: String,
     },
-    /// A test fixture was not built.
-    #[error("fixture module {path} is missing: run `make wasm` first (it builds the fixtures for wasm32-wasip1)")]
+    /// A module expected in the build output (filter or fixture) was not built.
+    #[error("wasm module {path} is missing: run `make wasm` first (it builds the filter and the host-test fixtures for wasm32-wasip1)")]
     MissingFixture {
         /// Expected path.
         path: String,
