@@ -255,7 +255,9 @@ impl Running {
     /// the prefill server, prefill, overhead. Unlike a client's measurement it does not scale
     /// up host overheads (HTTP, routers, a busy CPU) by the speed-up.
     pub fn model_ttft(&self) -> Duration {
-        self.first_token_at.saturating_duration_since(self.arrived_at).mul_f64(self.engine.inner.cfg.speed)
+        self.first_token_at
+            .saturating_duration_since(self.arrived_at)
+            .mul_f64(self.engine.inner.cfg.speed)
     }
 
     /// Real time per output token.
@@ -707,7 +709,10 @@ fn sim_headers(engine: &Engine, run: &Running, resp: &mut Response) {
         h.insert(HEADER_ENGINE, v);
     }
     h.insert(HEADER_DP_RANK, HeaderValue::from(run.rank));
-    h.insert(HEADER_MODEL_TTFT_US, HeaderValue::from(run.model_ttft().as_micros() as u64));
+    h.insert(
+        HEADER_MODEL_TTFT_US,
+        HeaderValue::from(run.model_ttft().as_micros() as u64),
+    );
 }
 
 /// Streams `chunk(i, tokens)` SSE events: the first at `first_token_at`, then one per

@@ -97,6 +97,8 @@ async fn engine(format: EventFormat, endpoint: &str, dp_size: u32) -> Engine {
         replay_endpoint: Some(endpoint.to_string()),
         topic: "kv@e0@sim-model".into(),
         journal: true,
+        // Steps of 3 blocks: long admissions go out as several batches, as vLLM's do.
+        max_batched_tokens: 12,
         ..EngineConfig::default()
     })
     .await

@@ -73,6 +73,15 @@ async fn streaming_sends_one_event_per_token_then_done() {
         .await
         .unwrap();
     assert_eq!(r.headers()["content-type"], "text/event-stream");
+    let model_ttft_us: u64 = r.headers()[kvroute_sim::engine::HEADER_MODEL_TTFT_US]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        model_ttft_us >= 15_000,
+        "at least the 15 ms first-token overhead"
+    );
     assert_eq!(cached(&r), 0);
     let text = r.text().await.unwrap();
     let events: Vec<&str> = text.split("\n\n").filter(|s| !s.is_empty()).collect();

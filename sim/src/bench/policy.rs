@@ -276,7 +276,7 @@ impl Route for KvAware {
                                 query_blocks,
                                 self.block_size,
                                 &self.weights,
-                                &mut *rng,
+                                &mut rng,
                             ),
                             None,
                         )

@@ -181,7 +181,11 @@ pub fn plot_ttft_cdf(results: &[PolicyResult], path: &Path, title: &str) -> Plot
         .label_style(("sans-serif", 15))
         .draw()?;
     for (i, r) in results.iter().filter(|r| r.skipped.is_none()).enumerate() {
-        let mut v: Vec<f64> = r.results.iter().filter_map(|x| x.model_ttft_s.or(x.ttft_s)).collect();
+        let mut v: Vec<f64> = r
+            .results
+            .iter()
+            .filter_map(|x| x.model_ttft_s.or(x.ttft_s))
+            .collect();
         v.sort_by(f64::total_cmp);
         let n = v.len().max(1) as f64;
         let color = COLORS[i % COLORS.len()];
