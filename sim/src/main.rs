@@ -89,6 +89,13 @@ struct EngineArgs {
     /// Output tokens per SSE chunk.
     #[arg(long, default_value_t = 1)]
     stream_interval: usize,
+    /// Tokens per scheduler step (vLLM max_num_batched_tokens): KV events of one admission
+    /// go out in batches of at most this many tokens' blocks.
+    #[arg(long, default_value_t = 8192)]
+    max_batched_tokens: usize,
+    /// Longest prompt plus output accepted, tokens.
+    #[arg(long, default_value_t = 131_072)]
+    max_model_len: usize,
 }
 
 #[derive(clap::Args)]
@@ -163,6 +170,8 @@ async fn run_engine(a: EngineArgs) -> anyhow::Result<()> {
         buffer_steps: a.buffer_steps,
         hash_seed: a.hash_seed.unwrap_or_default(),
         stream_interval_tokens: a.stream_interval,
+        max_batched_tokens: a.max_batched_tokens,
+        max_model_len: a.max_model_len,
         ..EngineConfig::default()
     };
     let engine = Engine::start(cfg).await?;
