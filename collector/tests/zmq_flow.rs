@@ -367,3 +367,23 @@ async fn state_is_snapshotted_periodically_while_serving() {
     stop.send(()).unwrap();
     server.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_batch_costs_only_itself() {
+    let state = Shared::new(config());
+    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    state.register(registration("a", &p, M, None, 4)).unwrap();
+    let t = tokens(1, 8);
+    p.publish(&[stored(None, 10, &t[..4], 4)]).await;
+    eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 4).await;
+    p.publish_payload(bytes::Bytes::from_static(b"\x93\xcb garbage"), true)
+        .await;
+    p.publish(&[stored(Some(10), 11, &t[4..8], 4)]).await;
+    eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 8).await;
+    let w = state.read().worker_views().into_iter().next().unwrap();
+    assert_eq!(w.status.decode_errors, 1);
+    assert!(state
+        .metrics
+        .encode()
+        .contains("kvroute_decode_errors_total{instance=\"a\",dp=\"0\"} 1"));
+}

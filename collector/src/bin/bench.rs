@@ -697,7 +697,9 @@ fn query_ours(args: &Args) -> Result<QueryStats, String> {
     let body = serde_json::json!({"token_ids": prompt, "model_name": MODEL}).to_string();
     let t = Instant::now();
     for _ in 0..1000 {
-        std::hint::black_box(kvroute_collector::fastjson::parse_query(std::hint::black_box(body.as_bytes())));
+        std::hint::black_box(kvroute_collector::fastjson::parse_query(
+            std::hint::black_box(body.as_bytes()),
+        ));
     }
     let parse_us = t.elapsed().as_secs_f64() * 1e3;
     let t = Instant::now();
