@@ -397,8 +397,9 @@ impl BucketRows {
                 true
             }
             Err(i) => {
-                let new_key = !(i > 0 && self.rows[i - 1].0 == key)
-                    && !(i < self.rows.len() && self.rows[i].0 == key);
+                let has_key = (i > 0 && self.rows[i - 1].0 == key)
+                    || (i < self.rows.len() && self.rows[i].0 == key);
+                let new_key = !has_key;
                 if (new_key && self.keys >= max_keys as usize)
                     || self.rows.len() >= u16::MAX as usize
                 {
@@ -460,7 +461,7 @@ impl BucketRows {
             }
         }
         for (i, r) in self.rows.iter().enumerate() {
-            if !self.rows.get(i + 1).is_some_and(|n| n.0 == r.0) {
+            if self.rows.get(i + 1).is_none_or(|n| n.0 != r.0) {
                 out.extend_from_slice(&((i + 1) as u16).to_le_bytes());
             }
         }
@@ -1359,7 +1360,7 @@ pub fn load_add(
 ) -> bool {
     let cap = capacity.max(1) as usize;
     if table.first() != Some(&LAYOUT_VERSION)
-        || (table.len() - 1) % LOAD_ENTRY != 0
+        || !(table.len() - 1).is_multiple_of(LOAD_ENTRY)
         || (table.len() - 1) / LOAD_ENTRY != cap
     {
         table.clear();

@@ -200,7 +200,7 @@ pub fn decode_base64_u32(
         return Err(IntakeError::Base64(s.len()));
     }
     let bytes = s.len() / 4 * 3 + (s.len() % 4).saturating_sub(1);
-    if bytes % 4 != 0 {
+    if !bytes.is_multiple_of(4) {
         return Err(IntakeError::Base64(s.len()));
     }
     if bytes / 4 > max_tokens {
