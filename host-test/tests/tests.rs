@@ -24,3 +24,6 @@ mod shared;
 
 /// Higress mode.
 mod higress;
+
+/// The project's filter (`kvroute_filter.wasm` and its Higress twin) runs in this host.
+mod real_filter;
