@@ -20,6 +20,9 @@ use crate::Outcome;
 /// Most tokens taken from one header or metadata value.
 const MAX_STRING_TOKENS: usize = 1 << 20;
 
+/// The destination header when no configuration is loaded.
+const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+
 /// Load-table ids of remote-mode instances carry this bit, so they never meet slot ids.
 const REMOTE_ID_BIT: u64 = 1 << 63;
 
@@ -143,7 +146,7 @@ impl Http {
             let hit = match m {
                 Matcher::Route(names) => {
                     let r = route();
-                    names.iter().any(|n| *n == r)
+                    names.contains(&r)
                 }
                 Matcher::RoutePrefix(names) => {
                     let r = route();
@@ -720,6 +723,8 @@ impl Context for Http {
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let Some(vm) = self.vm.clone() else {
+            // No configuration (yet): still never let a client choose the upstream.
+            host::remove_header(MapType::HttpRequestHeaders, DEFAULT_DESTINATION_HEADER);
             return Action::Continue;
         };
         let cfg = Self::select_config(&vm);

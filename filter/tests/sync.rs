@@ -233,7 +233,7 @@ fn a_resync_is_switched_in_whole_after_the_last_page() {
     // per tick thanks to a budget of one block per tick.
     let prompt = tokens(0, 64);
     let keys_a = keys_of(&prompt, "default", "m", None, None);
-    let pages = vec![
+    let pages = [
         Page {
             flags: Page::RESET | Page::MORE,
             epoch: 5,
