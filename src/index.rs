@@ -149,11 +149,16 @@ pub struct Index {
     holds: usize,
 }
 
-/// Keys and engine hashes are already hashes, but engines' own hashes need not be uniform in
-/// the bits hashbrown uses: one multiply spreads them.
+/// Block keys are uniform hashes, but engines' own hashes need not be (a simulator may number
+/// them, SGLang chains them): a full 64-bit finalizer (murmur3's fmix64) spreads any of them
+/// over the bits hashbrown uses.
 #[inline]
-fn mix(v: u64) -> u64 {
-    (v ^ (v >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+fn mix(mut v: u64) -> u64 {
+    v ^= v >> 33;
+    v = v.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    v ^= v >> 33;
+    v = v.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    v ^ (v >> 33)
 }
 
 impl Index {

@@ -9,12 +9,12 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kvroute::api::RegisterRequest;
 use kvroute::event::{EngineHash, KvEvent, StoredBlock, Tier};
 use kvroute_collector::decode::decode;
 use kvroute_collector::hub::{Hub, HubConfig, Registered};
 use kvroute_collector::metrics::Metrics;
 use kvroute_collector::testing::{encode_batch, Format};
-use kvroute_collector::wire::RegisterRequest;
 
 const BS: usize = 16;
 
@@ -115,10 +115,8 @@ fn benches(c: &mut Criterion) {
     g.bench_function("serde_json::from_slice/8192_tokens", |b| {
         b.iter(|| {
             black_box(
-                serde_json::from_slice::<kvroute_collector::wire::QueryRequest>(black_box(
-                    body.as_bytes(),
-                ))
-                .unwrap(),
+                serde_json::from_slice::<kvroute::api::QueryRequest>(black_box(body.as_bytes()))
+                    .unwrap(),
             )
         })
     });

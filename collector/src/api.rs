@@ -22,10 +22,10 @@ use serde::Deserialize;
 
 use crate::hub::{HubError, Registered};
 use crate::metrics::{EndpointLabels, FeedLabels};
-use crate::wire::{
+use crate::AppState;
+use kvroute::api::{
     ErrorBody, QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest,
 };
-use crate::AppState;
 
 /// Longest a request may take before it is answered 408 (a feed snapshot of millions of blocks
 /// is the slowest thing the API does).

@@ -11,7 +11,7 @@ use std::time::Duration;
 use clap::Parser;
 use serde::Deserialize;
 
-use crate::wire::RegisterRequest;
+use kvroute::api::RegisterRequest;
 
 /// `--listen` default: loopback only.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:9090";

@@ -6,7 +6,7 @@
 //! numbers, errors) returns `None` and the caller uses `serde_json`, which also words the
 //! error messages. So the fast path never accepts what serde would refuse.
 
-use crate::wire::QueryRequest;
+use kvroute::api::QueryRequest;
 
 /// Parses a `/query` body, or `None` to fall back to `serde_json`.
 pub fn parse_query(body: &[u8]) -> Option<QueryRequest> {

@@ -20,7 +20,7 @@ use crate::chunk::{ChunkStats, Chunker};
 use crate::decode::Batch;
 use crate::feedlog::{FeedLog, Reply};
 use crate::metrics::{EventLabels, Metrics, WorkerLabels};
-use crate::wire::{InstanceMatch, QueryResponse, RegisterRequest, UnregisterRequest};
+use kvroute::api::{InstanceMatch, QueryResponse, RegisterRequest, UnregisterRequest};
 
 /// Longest instance id, model name, tenant, LoRA name or salt accepted (the feed's own limit
 /// is 4096 bytes).
@@ -706,7 +706,7 @@ impl Hub {
         }
         QueryResponse {
             block_size: bs,
-            query_blocks: keys.len() as u64,
+            query_blocks: keys.len() as u32,
             instances,
         }
     }

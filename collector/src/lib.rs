@@ -29,7 +29,7 @@ pub mod hub;
 pub mod metrics;
 pub mod state;
 pub mod testing;
-pub mod wire;
+
 pub mod zmq;
 
 use std::collections::HashMap;
@@ -125,7 +125,10 @@ impl Shared {
     ///
     /// # Errors
     /// See [`Hub::register`].
-    pub fn register(self: &Arc<Self>, req: wire::RegisterRequest) -> Result<Registered, HubError> {
+    pub fn register(
+        self: &Arc<Self>,
+        req: kvroute::api::RegisterRequest,
+    ) -> Result<Registered, HubError> {
         let outcome = self.write().register(req)?;
         if let Registered::New(id) = outcome {
             self.start_subscriber(id, None);
@@ -137,7 +140,7 @@ impl Shared {
     ///
     /// # Errors
     /// See [`Hub::unregister`].
-    pub fn unregister(&self, req: &wire::UnregisterRequest) -> Result<usize, HubError> {
+    pub fn unregister(&self, req: &kvroute::api::UnregisterRequest) -> Result<usize, HubError> {
         let removed = self.write().unregister(req)?;
         let mut subs = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
         for id in &removed {

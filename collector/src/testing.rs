@@ -72,14 +72,26 @@ impl Publisher {
         format: Format,
         shape: ReplayShape,
     ) -> Publisher {
+        // A port just released can take a moment to bind again (the old socket's teardown,
+        // a test's placeholder listener): retry for a bounded while.
         let mut socket = PubSocket::new();
-        let endpoint = socket.bind(pub_at).await.expect("bind PUB").to_string();
         let mut router = RouterSocket::new();
-        let replay_endpoint = router
-            .bind(replay_at)
-            .await
-            .expect("bind ROUTER")
-            .to_string();
+        let mut endpoint = None;
+        let mut replay_endpoint = None;
+        for _ in 0..100 {
+            if endpoint.is_none() {
+                endpoint = socket.bind(pub_at).await.ok().map(|e| e.to_string());
+            }
+            if replay_endpoint.is_none() {
+                replay_endpoint = router.bind(replay_at).await.ok().map(|e| e.to_string());
+            }
+            if endpoint.is_some() && replay_endpoint.is_some() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let endpoint = endpoint.expect("bind PUB");
+        let replay_endpoint = replay_endpoint.expect("bind ROUTER");
         let buffer: Buffer = Arc::default();
         let topic = Bytes::from_static(b"kv@test@model");
         let task = tokio::spawn(serve_replay(router, buffer.clone(), topic.clone(), shape));

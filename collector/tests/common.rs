@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
+use kvroute::api::{QueryResponse, RegisterRequest};
 use kvroute_collector::hub::Hub;
 use kvroute_collector::testing::Publisher;
-use kvroute_collector::wire::{QueryResponse, RegisterRequest};
 use kvroute_collector::{AppState, Config};
 
 /// Upper bound for every eventual condition; never reached when things work.

@@ -192,11 +192,12 @@ async fn disconnect_keeps_blocks_for_a_while_then_reconnect_resumes() {
     p.close().await;
     // Hold the port meanwhile, so that no other test's publisher gets it.
     let hold = std::net::TcpListener::bind(endpoint.trim_start_matches("tcp://")).ok();
+    let hold_replay = std::net::TcpListener::bind(replay.trim_start_matches("tcp://")).ok();
     eventually(&state, None, |h| h.workers().all(|w| !w.status.connected)).await;
     // Disconnected, but within keep_disconnected (60 s): the blocks stay.
     assert_eq!(longest(&state.read(), &t, M, None, "a"), 8);
     // The network comes back: same addresses, the engine's sequence goes on.
-    drop(hold);
+    drop((hold, hold_replay));
     let mut p = Publisher::bind_on(&endpoint, &replay, Format::VllmMap, ReplayShape::New).await;
     p.resume_seq(next);
     p.publish(&[stored(Some(11), 20, &t[8..16], 4)]).await;

@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Parser;
+use kvroute::api::RegisterRequest;
 use kvroute::event::{EngineHash, KvEvent, StoredBlock, Tier};
 use kvroute_collector::testing::{encode_batch, Format, Publisher, ReplayShape};
-use kvroute_collector::wire::RegisterRequest;
 use kvroute_collector::{Config, Shared};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
