@@ -16,7 +16,7 @@ FIXTURES   := $(foreach f,$(wildcard host-test/fixtures/*/Cargo.toml),-p $(shell
 
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all setup wasm native lint test test-rust test-e2e bench bench-routing bench-latency demo clean
+.PHONY: all setup wasm native lint test test-rust test-e2e bench bench-routing bench-collector bench-latency demo clean
 
 all: wasm native
 
@@ -51,7 +51,7 @@ test-rust:
 
 # The end-to-end tests use the dev-profile binaries that `test-rust` already built (their
 # dependencies are optimized, see Cargo.toml), so CI does not compile the stack twice.
-test-e2e:
+test-e2e: wasm
 	$(CARGO) build -j$(JOBS) -p kvroute-collector -p kvroute-sim
 	bash envoy-config/install-envoy.sh >/dev/null
 	KVROUTE_PROFILE=debug python3 envoy-config/e2e_test.py
@@ -60,9 +60,16 @@ test-e2e:
 bench: setup wasm
 	$(CARGO) bench -j$(JOBS) -p kvroute
 	$(CARGO) run -j$(JOBS) --profile bench -p kvroute --example memory
+	$(CARGO) bench -j$(JOBS) -p kvroute-host-test
+	$(CARGO) bench -j$(JOBS) -p kvroute-collector
 
-bench-routing: native
-	$(TARGET_DIR)/native/kvroute-sim bench --trace ../shared/traces/mooncake_synthetic_trace.jsonl
+## make bench-routing: every policy on the trace and one simulated fleet (~9 minutes).
+bench-routing:
+	bash sim/scripts/bench-routing.sh --speed 10 --limit 3000 --engines 4
+
+## make bench-collector: ingest and /query against Dynamo's indexer (installs it in a venv).
+bench-collector:
+	bash collector/bench.sh
 
 bench-latency: wasm native
 	bash envoy-config/bench_latency.sh
@@ -71,7 +78,7 @@ bench-latency: wasm native
 ## replays a slice of the trace through kvroute and through round-robin, prints both.
 demo: wasm native
 	bash envoy-config/install-envoy.sh >/dev/null
-	python3 envoy-config/run.py demo
+	python3 envoy-config/run.py demo --no-build
 
 clean:
 	$(CARGO) clean
