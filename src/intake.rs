@@ -684,16 +684,23 @@ impl Scanner<'_> {
             let tstart = i;
             let mut x: u64 = 0;
             let mut n = 0;
-            while let Some(&c) = b.get(i) {
-                let d = c.wrapping_sub(b'0');
-                if d > 9 {
-                    break;
-                }
-                x = x * 10 + d as u64;
-                n += 1;
-                i += 1;
-                if n > 10 {
-                    break;
+            if let Some((value, digits)) = b.get(i..i + 8).and_then(short_number) {
+                // Fast path: up to 7 digits read from one 8-byte word.
+                x = value;
+                n = digits;
+                i += digits;
+            } else {
+                while let Some(&c) = b.get(i) {
+                    let d = c.wrapping_sub(b'0');
+                    if d > 9 {
+                        break;
+                    }
+                    x = x * 10 + d as u64;
+                    n += 1;
+                    i += 1;
+                    if n > 10 {
+                        break;
+                    }
                 }
             }
             if n == 0 {
@@ -757,6 +764,33 @@ impl Scanner<'_> {
             }
         }
     }
+}
+
+/// The leading run of 1 to 7 ASCII digits of an 8-byte window, as `(value, digits)`; `None`
+/// when the window starts with a non-digit or holds 8 digits (the caller's byte loop takes
+/// those). SWAR: one word flags the non-digits, the first of which ends the number, and three
+/// multiplies combine the digits (as in simdjson's `parse_eight_digits_unrolled`).
+#[inline]
+fn short_number(window: &[u8]) -> Option<(u64, usize)> {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(window.get(..8)?);
+    let x = u64::from_le_bytes(w).wrapping_sub(0x3030_3030_3030_3030);
+    // A byte is a non-digit when its value minus '0' is above 9: either its high bit is set,
+    // or adding 0x76 sets it. Carries only run upward from a byte that is flagged already, so
+    // the lowest flag is exact.
+    let flags = (x | x.wrapping_add(0x7676_7676_7676_7676)) & 0x8080_8080_8080_8080;
+    let digits = (flags.trailing_zeros() / 8) as usize;
+    if digits == 0 || digits >= 8 {
+        return None;
+    }
+    // Keep the digits, moved to the top bytes: the bytes below become leading zeros.
+    let v = x << (8 * (8 - digits));
+    let v = v.wrapping_mul(10).wrapping_add(v >> 8);
+    let v = ((v & 0x0000_00FF_0000_00FF)
+        .wrapping_mul(100 + (1_000_000 << 32))
+        .wrapping_add(((v >> 16) & 0x0000_00FF_0000_00FF).wrapping_mul(1 + (10_000 << 32))))
+        >> 32;
+    Some((v, digits))
 }
 
 /// Whether any byte of `x` is `"`, `\` or below 0x20 (SWAR).
@@ -924,6 +958,46 @@ mod tests {
         ));
         assert!(scan(r#"{}"#).is_ok());
         assert!(scan(" {\"x\" : [ ] , \"y\":{ } } ").is_ok());
+    }
+
+    #[test]
+    fn short_numbers_parse_like_the_byte_loop() {
+        for text in [
+            "0,", "7]", "12,", "123 ", "4096,", "65535]", "999999,", "1234567]",
+        ] {
+            let mut w = [b' '; 8];
+            w[..text.len()].copy_from_slice(text.as_bytes());
+            let digits = text.bytes().take_while(u8::is_ascii_digit).count();
+            let want: u64 = text[..digits].parse().unwrap();
+            assert_eq!(short_number(&w), Some((want, digits)), "{text}");
+        }
+        assert_eq!(short_number(b"12345678"), None, "8 digits: the byte loop");
+        assert_eq!(short_number(b",1234567"), None);
+        assert_eq!(short_number(b"-1234567"), None);
+        assert_eq!(short_number(b"1/345678"), Some((1, 1)));
+        assert_eq!(short_number(b"1:345678"), Some((1, 1)));
+        assert!(matches!(
+            scan(r#"{"prompt":[007, 1]}"#),
+            Err(IntakeError::Json(_))
+        ));
+        assert!(matches!(
+            scan(r#"{"prompt":[12.5, 1]}"#),
+            Err(IntakeError::NotInteger(_))
+        ));
+        assert!(matches!(
+            scan(r#"{"prompt":[12e5, 1]}"#),
+            Err(IntakeError::NotInteger(_))
+        ));
+        assert!(matches!(
+            scan(r#"{"prompt":[4294967295, 4294967296]}"#),
+            Err(IntakeError::TooLarge(_))
+        ));
+        assert_eq!(
+            scan(r#"{"prompt":[4294967295, 0, 10, 12345678, 1234567]}"#)
+                .unwrap()
+                .0,
+            [u32::MAX, 0, 10, 12_345_678, 1_234_567]
+        );
     }
 
     #[test]
