@@ -598,6 +598,8 @@ pub fn parse_plugin(json: &[u8]) -> Result<Plugin, ConfigError> {
         return Err(err("", "expected a JSON object"));
     };
     let rules = obj.remove("_rules_");
+    // Other `_..._` keys belong to Higress's wrapper, not to this plugin.
+    obj.retain(|k, _| !is_wrapper_key(k));
     let global_obj = obj.clone();
     let global = std::rc::Rc::new(from_value(value)?);
     let mut out = Vec::new();
@@ -622,6 +624,7 @@ pub fn parse_plugin(json: &[u8]) -> Result<Plugin, ConfigError> {
                     "_match_domain_" => Some(Matcher::Domain(list()?)),
                     "_match_service_" => Some(Matcher::Service(list()?)),
                     "_match_route_prefix_" => Some(Matcher::RoutePrefix(list()?)),
+                    other if is_wrapper_key(other) => None,
                     _ => {
                         merged.insert(k.clone(), v.clone());
                         None
@@ -648,6 +651,11 @@ pub fn parse_plugin(json: &[u8]) -> Result<Plugin, ConfigError> {
         }
     }
     Ok(Plugin { global, rules: out })
+}
+
+/// A key of Higress's wrapper (`_rules_`, `_match_*_`, and any other `_name_`).
+fn is_wrapper_key(k: &str) -> bool {
+    k.len() > 2 && k.starts_with('_') && k.ends_with('_')
 }
 
 /// Whether a `_match_domain_` pattern matches a host (port already stripped).

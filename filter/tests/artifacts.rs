@@ -159,8 +159,10 @@ fn the_higress_module_routes_in_higress_mode_with_rules() {
     let cfg = json!({
         "collector": {"cluster": CLUSTER},
         "random_seed": 1,
+        "_internal_": {"ignored": true},
         "_rules_": [
             {"_match_route_": ["chat"], "model": {"sources": ["header:x-model"]}},
+            {"_match_domain_": ["*.example.com"], "tokens": {"sources": ["header:x-token-ids"]}},
         ],
     })
     .to_string();
