@@ -2,9 +2,9 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use kvroute::api::RegisterRequest;
 use kvroute::bucket::Lease;
 use kvroute_collector::testing::{stored, Format, Publisher, ReplayShape};
-use kvroute_collector::wire::RegisterRequest;
 use kvroute_collector::AppState;
 use serde_json::json;
 use tokio::runtime::Runtime;
