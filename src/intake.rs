@@ -65,7 +65,13 @@ pub fn parse_token_string(
     if v.is_empty() {
         return Err(IntakeError::Empty);
     }
-    let decimal = v.contains(&b',') || (v.len() <= 10 && v.iter().all(u8::is_ascii_digit));
+    // A decimal list starts with a token of 1 to 10 digits followed by its end, a comma or a
+    // blank; base64 has neither commas nor blanks. Looking at the head only spares a pass over
+    // a 40 KB header.
+    let digits = v.iter().take(11).take_while(|b| b.is_ascii_digit()).count();
+    let decimal = (1..=10).contains(&digits)
+        && v.get(digits)
+            .is_none_or(|b| matches!(b, b',' | b' ' | b'\t'));
     if decimal {
         parse_decimal_list(v, out, max_tokens)
     } else {
@@ -872,6 +878,12 @@ mod tests {
             parse_token_string(b"1,2,3", &mut out, 2),
             Err(IntakeError::TooMany(2))
         );
+        assert!(matches!(
+            parse_token_string(b"12345678901,2", &mut out, 100),
+            Err(IntakeError::Base64(_))
+        ));
+        parse_token_string(b"1234567890 , 7", &mut out, 100).unwrap();
+        assert_eq!(out, [1_234_567_890, 7]);
     }
 
     #[test]
