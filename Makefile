@@ -61,6 +61,7 @@ bench: setup wasm
 	$(CARGO) bench -j$(JOBS) -p kvroute
 	$(CARGO) run -j$(JOBS) --profile bench -p kvroute --example memory
 	$(CARGO) bench -j$(JOBS) -p kvroute-host-test
+	KVROUTE_BENCH_N=400 $(CARGO) bench -j$(JOBS) -p kvroute-filter --bench benches
 	$(CARGO) bench -j$(JOBS) -p kvroute-collector
 
 ## make bench-routing: every policy on the trace and one simulated fleet (~9 minutes).
