@@ -115,7 +115,10 @@ fn lookup(c: &mut Criterion) {
         }
         let mut stats = kvroute::lookup::WalkStats::default();
         let found = kvroute::lookup::longest_matches(&index, &keys, &mut stats);
-        assert_eq!(found.len(), (0..workers).filter(|w| 512 * (w + 1) / workers > 0).count());
+        assert_eq!(
+            found.len(),
+            (0..workers).filter(|w| 512 * (w + 1) / workers > 0).count()
+        );
         eprintln!(
             "lookup with {workers} workers: {} holder reads for {} blocks",
             stats.reads,
