@@ -34,7 +34,7 @@ use crate::lookup::{HolderView, TierMask};
 use crate::scope::BlockKey;
 
 /// Version of every value layout below; part of every key name.
-pub const LAYOUT_VERSION: u8 = 1;
+pub const LAYOUT_VERSION: u8 = 2;
 
 /// Most attempts at a compare-and-swap update before giving up (the update is then skipped
 /// and counted by the caller).
@@ -482,6 +482,10 @@ pub struct WorkerSlot {
     pub dp_rank: u32,
     pub instance_id: String,
     pub address: String,
+    /// The registration's tenant and model: a request is routed only to its model's workers
+    /// (empty: unknown, a candidate for any model).
+    pub tenant: String,
+    pub model: String,
 }
 
 /// A served name's resolution.
@@ -499,7 +503,7 @@ pub struct Alias {
 ///
 /// ```text
 /// version u8, stamp u32
-/// nw u16, nw × (slot u16, live u8, dp_rank u32, instance str, address str)
+/// nw u16, nw × (slot u16, live u8, dp_rank u32, instance str, address str, tenant str, model str)
 /// ns u16, ns × (tenant str, model str, block_size u32)
 /// na u16, na × (tenant str, served str, model str, lora str ("" = none))
 /// str = len u16, UTF-8 bytes
@@ -540,6 +544,8 @@ impl Meta {
             let dp_rank = r.u32()?;
             let instance_id = r.str()?;
             let address = r.str()?;
+            let tenant = r.str()?;
+            let model = r.str()?;
             if m.workers.len() <= slot {
                 m.workers.resize(slot + 1, None);
             }
@@ -548,6 +554,8 @@ impl Meta {
                 dp_rank,
                 instance_id,
                 address,
+                tenant,
+                model,
             });
         }
         for _ in 0..r.u16()? {
@@ -587,6 +595,8 @@ impl Meta {
             out.extend_from_slice(&w.dp_rank.to_le_bytes());
             put_str(&mut out, &w.instance_id);
             put_str(&mut out, &w.address);
+            put_str(&mut out, &w.tenant);
+            put_str(&mut out, &w.model);
         }
         out.extend_from_slice(&(self.block_sizes.len() as u16).to_le_bytes());
         for (t, m, bs) in &self.block_sizes {
@@ -637,6 +647,8 @@ impl Meta {
                 dp_rank,
                 instance_id,
                 address,
+                tenant,
+                model,
             } => {
                 if id.0 >= limits.max_workers {
                     stats.bad_workers += 1;
@@ -651,6 +663,8 @@ impl Meta {
                     dp_rank: *dp_rank,
                     instance_id: instance_id.clone(),
                     address: address.clone(),
+                    tenant: tenant.clone(),
+                    model: model.clone(),
                 };
                 let changed = self.workers[slot].as_ref() != Some(&w);
                 self.workers[slot] = Some(w);
@@ -1510,6 +1524,8 @@ mod tests {
             dp_rank: dp,
             instance_id: inst.into(),
             address: format!("10.0.0.{id}:8000"),
+            tenant: "default".into(),
+            model: "m".into(),
         }
     }
 

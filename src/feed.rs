@@ -27,7 +27,8 @@
 //! epoch   u64
 //! cursor  u64       pass back as `since`
 //! count   varint    number of ops, then each op as a tag byte and its fields:
-//!   1 Worker    id varint, live u8 (0|1), dp_rank varint, instance_id str, address str
+//!   1 Worker    id varint, live u8 (0|1), dp_rank varint, instance_id str, address str,
+//!               tenant str, model str
 //!   2 WorkerGone id varint
 //!   3 BlockSize tenant str, model str, block_size varint (>= 1)
 //!   4 Alias     tenant str, served str, model str, lora str ("" = none)
@@ -50,13 +51,16 @@ const HEADER_LEN: usize = 4 + 1 + 1 + 8 + 8;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
-    /// A worker was registered or changed (address, liveness).
+    /// A worker was registered or changed (address, liveness). `tenant` and `model` are its
+    /// registration's: only workers of a request's model are candidates for it.
     Worker {
         id: WorkerId,
         live: bool,
         dp_rank: u32,
         instance_id: String,
         address: String,
+        tenant: String,
+        model: String,
     },
     /// A worker's slot is free again.
     WorkerGone { id: WorkerId },
@@ -90,8 +94,10 @@ impl Op {
             Op::Worker {
                 instance_id,
                 address,
+                tenant,
+                model,
                 ..
-            } => 10 + 1 + 10 + s(instance_id) + s(address),
+            } => 10 + 1 + 10 + s(instance_id) + s(address) + s(tenant) + s(model),
             Op::WorkerGone { .. } => 10,
             Op::BlockSize { tenant, model, .. } => s(tenant) + s(model) + 10,
             Op::Alias {
@@ -159,6 +165,8 @@ impl Page {
                     dp_rank,
                     instance_id,
                     address,
+                    tenant,
+                    model,
                 } => {
                     out.push(1);
                     put_varint(out, id.0 as u64);
@@ -166,6 +174,8 @@ impl Page {
                     put_varint(out, *dp_rank as u64);
                     put_str(out, instance_id);
                     put_str(out, address);
+                    put_str(out, tenant);
+                    put_str(out, model);
                 }
                 Op::WorkerGone { id } => {
                     out.push(2);
@@ -254,6 +264,8 @@ impl Page {
                     dp_rank: r.u32_varint()?,
                     instance_id: r.str()?,
                     address: r.str()?,
+                    tenant: r.str()?,
+                    model: r.str()?,
                 },
                 2 => Op::WorkerGone { id: r.worker()? },
                 3 => {
@@ -456,15 +468,20 @@ mod tests {
                 any::<bool>(),
                 any::<u32>(),
                 arb_str(),
-                arb_str()
+                arb_str(),
+                (arb_str(), arb_str()),
             )
-                .prop_map(|(id, live, dp_rank, instance_id, address)| Op::Worker {
-                    id: WorkerId(id),
-                    live,
-                    dp_rank,
-                    instance_id,
-                    address
-                }),
+                .prop_map(
+                    |(id, live, dp_rank, instance_id, address, (tenant, model))| Op::Worker {
+                        id: WorkerId(id),
+                        live,
+                        dp_rank,
+                        instance_id,
+                        address,
+                        tenant,
+                        model
+                    }
+                ),
             any::<u32>().prop_map(|id| Op::WorkerGone { id: WorkerId(id) }),
             (arb_str(), arb_str(), 1u32..).prop_map(|(tenant, model, block_size)| Op::BlockSize {
                 tenant,

@@ -874,6 +874,8 @@ fn worker_op(w: &WorkerInfo) -> Op {
         dp_rank: w.dp_rank(),
         instance_id: w.reg.instance_id.clone(),
         address: w.address().to_owned(),
+        tenant: w.tenant().to_owned(),
+        model: w.reg.model_name.clone(),
     }
 }
 

@@ -62,6 +62,8 @@ fn index_image(total: usize, prompt: &[u32], distinct: usize) -> Vec<(String, Ve
             dp_rank: 0,
             instance_id: format!("i{w}"),
             address: format!("10.0.0.{}:8000", w + 1),
+            tenant: "default".into(),
+            model: "m".into(),
         });
     }
     let pk = keys_of(prompt);

@@ -435,18 +435,34 @@ impl Http {
                 c.in_flight_prefill_tokens += l.prefill_tokens as u64;
             }
         }
+        // Only the instances serving the request's model compete (a match comes from its
+        // scope anyway; this keeps an idle engine of another model out of the running).
+        let eligible: Vec<usize> = (0..n)
+            .filter(|&i| {
+                cache
+                    .instances
+                    .get(i)
+                    .is_some_and(|inst| inst.serves(tenant, model))
+            })
+            .collect();
+        let eligible_cands: Vec<Candidate> = eligible.iter().map(|&i| cands[i]).collect();
         let choice = {
             let Ok(mut rng) = vm.rng.try_borrow_mut() else {
                 self.finish(vm, Outcome::NoMatch);
                 return Action::Continue;
             };
             select::pick(
-                &cands,
+                &eligible_cands,
                 query_blocks as u32,
                 block_size,
                 &cfg.weights,
                 &mut *rng,
             )
+            .map(|c| select::Choice {
+                best: eligible[c.best],
+                runner_up: c.runner_up.map(|r| eligible[r]),
+                ..c
+            })
         };
         let Some(choice) = choice else {
             self.finish(vm, Outcome::NoMatch);

@@ -62,6 +62,18 @@ pub(crate) struct Instance {
     pub address: String,
     /// `(slot, dp_rank)` of its live workers.
     pub slots: Vec<(u32, u32)>,
+    /// `(tenant, model)` its workers are registered for.
+    pub models: Vec<(String, String)>,
+}
+
+impl Instance {
+    /// Whether a request of `(tenant, model)` may go here: an engine serves the models it was
+    /// registered with (a worker registered without one is a candidate for any).
+    pub fn serves(&self, tenant: &str, model: &str) -> bool {
+        self.models
+            .iter()
+            .any(|(t, m)| m.is_empty() || (t == tenant && m == model))
+    }
 }
 
 /// The active generation's meta, decoded once per change, with workers grouped by instance.
@@ -91,12 +103,20 @@ impl MetaCache {
                         id: w.instance_id.clone(),
                         address: w.address.clone(),
                         slots: Vec::new(),
+                        models: Vec::new(),
                     });
                     self.instances.len() - 1
                 }
             };
             if let Some(inst) = self.instances.get_mut(idx) {
                 inst.slots.push((slot as u32, w.dp_rank));
+                if !inst
+                    .models
+                    .iter()
+                    .any(|(t, m)| *t == w.tenant && *m == w.model)
+                {
+                    inst.models.push((w.tenant.clone(), w.model.clone()));
+                }
             }
             if let Some(s) = self.slot_instance.get_mut(slot) {
                 *s = idx as u32;

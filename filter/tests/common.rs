@@ -155,13 +155,29 @@ impl FakeCollector {
         s.pending.push(op);
     }
 
+    /// A worker registered without a model: a candidate for any request.
     pub fn worker(&self, id: u32, instance: &str, dp_rank: u32, address: &str) {
+        self.worker_of(id, instance, dp_rank, address, "", "");
+    }
+
+    /// A worker registered for `(tenant, model)`.
+    pub fn worker_of(
+        &self,
+        id: u32,
+        instance: &str,
+        dp_rank: u32,
+        address: &str,
+        tenant: &str,
+        model: &str,
+    ) {
         self.push(Op::Worker {
             id: WorkerId(id),
             live: true,
             dp_rank,
             instance_id: instance.into(),
             address: address.into(),
+            tenant: tenant.into(),
+            model: model.into(),
         });
     }
 

@@ -206,6 +206,38 @@ fn a_heavily_loaded_best_match_loses() {
     );
 }
 
+#[test]
+fn an_idle_engine_of_another_model_is_never_chosen() {
+    let feed = FakeCollector::new();
+    feed.worker_of(0, "a", 0, A, "default", "m");
+    feed.worker_of(1, "b", 0, B, "default", "other");
+    feed.block_size("default", "m");
+    feed.block_size("default", "other");
+    let prompt = tokens(0, 64);
+    feed.hold(0, &prompt[..16], "default", "m", None, None); // a: 1 block of 4
+    let mut gw = gateway(&config(json!({})), 1);
+    feed.attach(&mut gw);
+    sync(&mut gw);
+    // Load a: 3 requests in flight cost more than its one matched block saves.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let id = gw
+            .request()
+            .json_body(&json!({"model": "m", "prompt": prompt}))
+            .hold_response()
+            .start();
+        held.push(id);
+    }
+    assert_eq!(in_flight(&gw, 0), 3);
+    // b is idle but serves another model: a stays the choice, with no runner-up.
+    let o = complete(&mut gw, "m", &prompt);
+    assert_eq!(best(&o), Some(A));
+    assert_eq!(dest(&o), Some(A));
+    for id in held {
+        gw.respond(id, kvroute_host_test::Response::ok(""));
+    }
+}
+
 fn tie_sequence(seed: u64) -> Vec<String> {
     let feed = FakeCollector::new();
     two_instances(&feed);

@@ -245,6 +245,8 @@ fn a_resync_is_switched_in_whole_after_the_last_page() {
                     dp_rank: 0,
                     instance_id: "a".into(),
                     address: A.into(),
+                    tenant: "default".into(),
+                    model: "m".into(),
                 },
                 Op::BlockSize {
                     tenant: "default".into(),
