@@ -1642,9 +1642,9 @@ mod tests {
     #[test]
     fn bucket_keys_are_hex() {
         let k = Keys::new("p");
-        assert_eq!(k.bucket(0, 0), "kvroute/p/v1/g0/b0");
-        assert_eq!(k.bucket(1, 0x3fff), "kvroute/p/v1/g1/b3fff");
-        assert_eq!(k.bucket(2, 16), "kvroute/p/v1/g0/b10");
+        assert_eq!(k.bucket(0, 0), "kvroute/p/v2/g0/b0");
+        assert_eq!(k.bucket(1, 0x3fff), "kvroute/p/v2/g1/b3fff");
+        assert_eq!(k.bucket(2, 16), "kvroute/p/v2/g0/b10");
     }
 
     #[test]
