@@ -619,4 +619,4 @@ class Stack:
 
 
 def demo_trace_path() -> Path:
-    return REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+    return REPO / "testdata" / "traces" / "mooncake_synthetic_trace.jsonl"

@@ -1,4 +1,4 @@
-//! Serde types of the collector's JSON API (DESIGN.md, "HTTP API of the collector"), shared by
+//! Serde types of the collector's JSON API (ARCHITECTURE.md, "HTTP API of the collector"), shared by
 //! the collector (server), the filter's remote mode and the simulator's benchmark (clients).
 //! Field names follow the indexer RFC discussed by Mooncake, Dynamo and llm-d, with the
 //! aliases other indexers accept; unknown fields are ignored, as Dynamo's indexer does, so

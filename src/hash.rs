@@ -1,4 +1,4 @@
-//! The hashing contract shared with NVIDIA Dynamo's KV router (DESIGN.md, "Hashing contract").
+//! The hashing contract shared with NVIDIA Dynamo's KV router (ARCHITECTURE.md, "Hashing contract").
 //!
 //! A block is `block_size` consecutive `u32` tokens, hashed as little-endian bytes with xxh3-64
 //! under a seed that folds in the LoRA name and cache salt. Sequence hashes chain the block

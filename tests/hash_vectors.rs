@@ -1,4 +1,4 @@
-//! The hashing contract against `../shared/vectors/hash_contract.json`, made by an independent
+//! The hashing contract against `testdata/vectors/hash_contract.json`, made by an independent
 //! implementation and checked against Dynamo's own hashes.
 
 use kvroute::hash::{self, BlockHash, SeqHash};
@@ -16,9 +16,9 @@ fn hashes(v: &Value) -> Vec<u64> {
 fn every_contract_vector_passes() {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../shared/vectors/hash_contract.json"
+        "/testdata/vectors/hash_contract.json"
     );
-    let text = std::fs::read_to_string(path).expect("shared/vectors beside the repository");
+    let text = std::fs::read_to_string(path).expect("testdata/vectors/hash_contract.json in the repository");
     let doc: Value = serde_json::from_str(&text).unwrap();
     let cases = doc["cases"].as_array().unwrap();
     assert!(cases.len() >= 5);

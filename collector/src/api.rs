@@ -1,4 +1,4 @@
-//! The HTTP API (DESIGN.md, "HTTP API of the collector"), as `fn app(state) -> Router` with no
+//! The HTTP API (ARCHITECTURE.md, "HTTP API of the collector"), as `fn app(state) -> Router` with no
 //! sockets inside.
 //!
 //! Every error is a 4xx (or 5xx) with `{"error": "..."}` naming the problem: bodies are read as

@@ -1,4 +1,4 @@
-//! Command line and config file (DESIGN.md, "Collector command line").
+//! Command line and config file (ARCHITECTURE.md, "Collector command line").
 //!
 //! `--config FILE` reads a TOML file with the same settings (snake_case keys); flags given on
 //! the command line win over the file. The raw settings are then [`validate`](RawConfig)d into

@@ -1,5 +1,5 @@
 //! Stage 2 of the data path: one msgpack `EventBatch` payload → normalized
-//! [`KvEvent`]s, for every format of `shared/reference/kv_events.md`:
+//! [`KvEvent`]s, for every format of ARCHITECTURE.md, "KV events":
 //!
 //! - the batch is an array `[ts, events]` (vLLM 0.9.0) or `[ts, events, dp_rank]` (vLLM ≥ 0.9.1,
 //!   every SGLang); `dp_rank` is an int or nil;

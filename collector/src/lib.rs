@@ -2,7 +2,7 @@
 //!
 //! It subscribes to the KV events of vLLM and SGLang engines over ZMQ, keeps the prefix index
 //! (the core's [`kvroute::index::Index`]), and serves the indexer HTTP API and the binary feed
-//! the filter pulls (DESIGN.md, "KV events in", "HTTP API of the collector").
+//! the filter pulls (ARCHITECTURE.md, "KV events in", "HTTP API of the collector").
 //!
 //! # Layout
 //!

@@ -1,4 +1,4 @@
-//! Every vector of `shared/vectors/kv_events_{vllm,sglang}.txt` decodes to the normalized
+//! Every vector of `testdata/vectors/kv_events_{vllm,sglang}.txt` decodes to the normalized
 //! events its `decoded:` line (the Python repr the real publisher encoded) describes.
 //!
 //! The expected events are derived here from the Python value by a second, deliberately naive
@@ -9,7 +9,7 @@ use kvroute_collector::decode::decode;
 
 fn vectors_path(name: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/vectors")
+        .join("../testdata/vectors")
         .join(name)
 }
 

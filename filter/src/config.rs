@@ -1,4 +1,4 @@
-//! The plugin configuration: the JSON of DESIGN.md ("Filter configuration"), parsed with serde
+//! The plugin configuration: the JSON of ARCHITECTURE.md ("Filter configuration"), parsed with serde
 //! into raw structs that refuse unknown keys, then validated into [`Config`].
 //!
 //! Every key but `collector.cluster` has a default; see filter/README.md for the table.

@@ -1,6 +1,6 @@
 //! Engine block hashes: opaque ids as the real engines compute them, so that a collector fed
 //! by the simulator cannot lean on them (it must recompute the contract hashes from the
-//! events' `token_ids`, as DESIGN.md requires).
+//! events' `token_ids`, as ARCHITECTURE.md requires).
 //!
 //! - vLLM (≥ 0.10.2): a sha256 chain over `(parent digest, block tokens, extra keys)` seeded by
 //!   `NONE_HASH`; the event carries the low 64 bits, the digest's last 8 bytes big-endian

@@ -1,4 +1,4 @@
-//! Mooncake-format traces (`shared/traces/README.md`): one JSON object a line with
+//! Mooncake-format traces (`testdata/README.md`): one JSON object a line with
 //! `timestamp` (ms), `input_length`, `output_length` and `hash_ids` (one per 512-token block).
 
 use std::path::Path;

@@ -1,5 +1,5 @@
 //! KV events on the wire, byte for byte as the real engines publish them
-//! (`shared/reference/kv_events.md`): the msgpack batch, the replay reply shapes, and the
+//! (ARCHITECTURE.md, "KV events"): the msgpack batch, the replay reply shapes, and the
 //! dp-rank port offset.
 //!
 //! # Layout

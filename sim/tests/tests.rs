@@ -1,6 +1,6 @@
 //! Integration tests of kvroute-sim, one binary.
 
-// Encoded batches against the real engines' vectors in shared/vectors.
+// Encoded batches against the real engines' vectors in testdata/vectors.
 mod vectors;
 // The engines' ZMQ event streams decoded by the collector's decoder, and replay.
 mod events;

@@ -1,4 +1,4 @@
-//! The encoder against the payloads the real publishers produced (shared/vectors, made by
+//! The encoder against the payloads the real publishers produced (testdata/vectors, made by
 //! running vLLM 0.33.0 / 0.23.0 and SGLang 0.5.23 with msgspec): byte for byte.
 
 use kvroute::event::EngineHash;

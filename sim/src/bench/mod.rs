@@ -55,7 +55,7 @@ pub struct BenchArgs {
     /// Mooncake-format trace.
     #[arg(
         long,
-        default_value = "../shared/traces/mooncake_synthetic_trace.jsonl"
+        default_value = "testdata/traces/mooncake_synthetic_trace.jsonl"
     )]
     pub trace: PathBuf,
     /// Replay only the first N requests.
