@@ -16,7 +16,7 @@ FIXTURES   := $(foreach f,$(wildcard host-test/fixtures/*/Cargo.toml),-p $(shell
 
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all setup wasm native lint test test-rust test-e2e bench bench-routing bench-collector bench-latency demo clean
+.PHONY: all setup wasm native lint layout test test-rust test-e2e bench bench-routing bench-collector bench-latency demo clean
 
 all: wasm native
 
@@ -39,6 +39,11 @@ lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -j$(JOBS) --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -j$(JOBS) --target wasm32-wasip1 -p kvroute -p kvroute-filter -- -D warnings
+
+## The layout rules (no import cycle between a crate's files, no oversized file without a
+## reason): tools/layout_check.py.
+layout:
+	python3 tools/layout_check.py
 
 ## make test: lint, the wasm build, every Rust test, then the end-to-end tests through Envoy.
 test: lint wasm
