@@ -100,7 +100,7 @@ pub(crate) fn link(l: &mut Imports<'_>) -> wasmtime::Result<()> {
          _: i32,
          _: i32,
          _: i32,
-         _: i32| { Ok(status::PARSE_FAILURE) }
+         _: i32| Ok(status::PARSE_FAILURE)
     )?;
     hostcall!(
         l,
@@ -115,6 +115,6 @@ pub(crate) fn link(l: &mut Imports<'_>) -> wasmtime::Result<()> {
     hostcall!(l, "proxy_grpc_cancel", |c, _: i32| {
         Ok(status::NOT_FOUND)
     })?;
-    hostcall!(l, "proxy_grpc_close", |c, _: i32| { Ok(status::NOT_FOUND) })?;
+    hostcall!(l, "proxy_grpc_close", |c, _: i32| Ok(status::NOT_FOUND))?;
     Ok(())
 }

@@ -16,7 +16,7 @@ pub(crate) fn link(l: &mut Imports<'_>) -> wasmtime::Result<()> {
         s.effective = id;
         Ok(status::OK)
     })?;
-    hostcall!(l, "proxy_done", |c| { Ok(status::OK) })?;
+    hostcall!(l, "proxy_done", |c| Ok(status::OK))?;
     hostcall!(
         l,
         "proxy_call_foreign_function",
