@@ -8,7 +8,6 @@ use crate::types::{Callout, CalloutId};
 
 /// Links this area's imports.
 pub(crate) fn link(l: &mut Imports<'_>) -> wasmtime::Result<()> {
-    // HTTP callouts.
     hostcall!(
         l,
         "proxy_http_call",

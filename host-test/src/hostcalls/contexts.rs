@@ -6,7 +6,6 @@ use crate::hostcalls::register::{hostcall, Imports};
 
 /// Links this area's imports.
 pub(crate) fn link(l: &mut Imports<'_>) -> wasmtime::Result<()> {
-    // Contexts and foreign functions.
     hostcall!(l, "proxy_set_effective_context", |c, id: i32| {
         let s = c.data_mut();
         let id = id as u32;

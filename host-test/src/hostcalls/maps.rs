@@ -6,7 +6,6 @@ use crate::hostcalls::register::{hostcall, Imports};
 
 /// Links this area's imports.
 pub(crate) fn link(l: &mut Imports<'_>) -> wasmtime::Result<()> {
-    // Header maps.
     hostcall!(
         l,
         "proxy_get_header_map_size",

@@ -7,7 +7,6 @@ use crate::shared::Metric;
 
 /// Links this area's imports.
 pub(crate) fn link(l: &mut Imports<'_>) -> wasmtime::Result<()> {
-    // Metrics (process-wide in Envoy: every VM defining a name shares the stat).
     hostcall!(
         l,
         "proxy_define_metric",

@@ -8,7 +8,6 @@ use crate::types::LocalResponse;
 
 /// Links this area's imports.
 pub(crate) fn link(l: &mut Imports<'_>) -> wasmtime::Result<()> {
-    // Streams.
     hostcall!(l, "proxy_continue_stream", |c, stream: i32| {
         if !matches!(stream, abi::stream::REQUEST | abi::stream::RESPONSE) {
             return Ok(status::BAD_ARGUMENT);
