@@ -16,7 +16,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::gateway::{Gateway, RequestBuilder};
+use crate::gateway::Gateway;
+use crate::request::RequestBuilder;
 use crate::types::{HostError, StreamState};
 
 /// Totals of a run of requests.

@@ -122,19 +122,27 @@
 
 mod abi;
 pub mod bench;
+mod builder;
+mod driver;
 mod gateway;
 mod headers;
+mod hostcalls;
 mod http;
+mod model;
+mod request;
+mod runtime;
 mod shared;
+mod state;
+mod stream;
 mod types;
 mod vm;
 
 pub use abi::{LogLevel, MetricKind};
-pub use gateway::{
-    built_wasm, wasm_path, Gateway, GatewayBuilder, Mode, RequestBuilder, UpstreamRequest,
-    DEFAULT_BUFFER_LIMIT_BYTES, MAX_FINISHED_REQUESTS,
-};
+pub use builder::{built_wasm, wasm_path, GatewayBuilder, DEFAULT_BUFFER_LIMIT_BYTES};
+pub use gateway::{Gateway, UpstreamRequest, MAX_FINISHED_REQUESTS};
 pub use headers::Headers;
+pub use model::Mode;
+pub use request::RequestBuilder;
 pub use types::{
     Callout, CalloutHandler, CalloutId, CalloutReply, ForeignFn, HostError, LocalResponse,
     LogEntry, Outcome, RequestId, Response, StreamState,
