@@ -1,5 +1,5 @@
 //! Criterion micro-benchmarks of the collector's hot paths (the system benchmarks over real
-//! sockets are `kvroute-collector-bench`, see BENCH.md).
+//! sockets are `kvroute-bench collector`, see BENCH.md).
 //!
 //! Dimensions: a vLLM 0.33 batch of 16 chains × 64 blocks of 16 tokens (1,024 blocks);
 //! an index of 8 workers × 12,500 blocks; an 8,192-token query whose deepest holder matches

@@ -6,3 +6,5 @@ mod vectors;
 mod http;
 // Trace replay against engines, by URL and through an in-process router.
 mod replay;
+// The publisher: lost batches, resumed and restarted numbering, both replay shapes.
+mod publisher;
