@@ -81,14 +81,15 @@ fn lock(log: &Shared) -> MutexGuard<'_, Log> {
 #[derive(Debug)]
 pub struct Publisher {
     cfg: PublisherConfig,
-    tx: mpsc::UnboundedSender<(u64, Bytes)>,
+    /// `None` once closed.
+    tx: Option<mpsc::UnboundedSender<(u64, Bytes)>>,
     /// The bound PUB address (`tcp://ip:port`).
     pub endpoint: String,
     /// The bound replay address.
     pub replay_endpoint: Option<String>,
     published: watch::Receiver<Option<u64>>,
     log: Shared,
-    sender: JoinHandle<()>,
+    sender: Option<JoinHandle<()>>,
     router: Option<JoinHandle<()>>,
 }
 
@@ -170,12 +171,12 @@ impl Publisher {
         }
         Ok(Publisher {
             cfg,
-            tx,
+            tx: Some(tx),
             endpoint,
             replay_endpoint,
             published,
             log,
-            sender,
+            sender: Some(sender),
             router: router_task,
         })
     }
@@ -225,9 +226,9 @@ impl Publisher {
             log.buffer.pop_front();
         }
         log.buffer.push_back((seq, payload.clone()));
-        if send {
+        if let (true, Some(tx)) = (send, &self.tx) {
             // Under the lock, so concurrent publishers queue in seq order.
-            let _ = self.tx.send((seq, payload));
+            let _ = tx.send((seq, payload));
         }
         seq
     }
@@ -259,10 +260,10 @@ impl Publisher {
             let _ = router.await;
         }
         // Closing the channel ends the send task once the queue is empty.
-        let (tx, _) = mpsc::unbounded_channel();
-        drop(std::mem::replace(&mut self.tx, tx));
-        let sender = std::mem::replace(&mut self.sender, tokio::spawn(async {}));
-        let _ = sender.await;
+        self.tx = None;
+        if let Some(sender) = self.sender.take() {
+            let _ = sender.await;
+        }
     }
 
     /// Closes and binds again on the same addresses with an empty buffer and seq back at 0,
@@ -281,9 +282,8 @@ impl Publisher {
 
 impl Drop for Publisher {
     fn drop(&mut self) {
-        self.sender.abort();
-        if let Some(r) = &self.router {
-            r.abort();
+        for task in self.sender.iter().chain(&self.router) {
+            task.abort();
         }
     }
 }
