@@ -71,11 +71,11 @@ bench: setup wasm
 
 ## make bench-routing: every policy on the trace and one simulated fleet (~9 minutes).
 bench-routing:
-	bash sim/scripts/bench-routing.sh --speed 10 --limit 3000 --engines 4
+	bash bench/scripts/bench-routing.sh --speed 10 --limit 3000 --engines 4
 
 ## make bench-collector: ingest and /query against Dynamo's indexer (installs it in a venv).
 bench-collector:
-	bash collector/bench.sh
+	bash bench/scripts/bench-collector.sh
 
 bench-latency: wasm native
 	bash envoy-config/bench_latency.sh

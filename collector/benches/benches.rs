@@ -1,5 +1,5 @@
 //! Criterion micro-benchmarks of the collector's hot paths (the system benchmarks over real
-//! sockets are `kvroute-collector-bench`, see BENCH.md).
+//! sockets are `kvroute-bench collector`, see BENCH.md).
 //!
 //! Dimensions: a vLLM 0.33 batch of 16 chains × 64 blocks of 16 tokens (1,024 blocks);
 //! an index of 8 workers × 12,500 blocks; an 8,192-token query whose deepest holder matches
@@ -14,9 +14,17 @@ use kvroute::event::{EngineHash, KvEvent, StoredBlock, Tier};
 use kvroute_collector::decode::decode;
 use kvroute_collector::hub::{Hub, HubConfig, Registered};
 use kvroute_collector::metrics::Metrics;
-use kvroute_collector::testing::{encode_batch, Format};
+use kvroute_sim::wire::{encode_events, EventFormat, Extras};
 
 const BS: usize = 16;
+
+/// vLLM 0.33 batches with only the mandatory fields, as the published figures were made.
+fn encode_batch(events: &[KvEvent]) -> Vec<u8> {
+    let plain = Extras {
+        vllm_group_fields: false,
+    };
+    encode_events(EventFormat::Vllm033, plain, 1.0, events, Some(0))
+}
 
 fn chain(id: u64, tokens: &[u32]) -> KvEvent {
     KvEvent::BlockStored {
@@ -43,7 +51,7 @@ fn batch(first_chain: u64) -> Vec<u8> {
             chain(first_chain + c, &t)
         })
         .collect();
-    encode_batch(Format::VllmMap, 1.0, &events, Some(0))
+    encode_batch(&events)
 }
 
 fn hub() -> (Hub, Vec<kvroute::event::WorkerId>) {
@@ -127,7 +135,7 @@ fn benches(c: &mut Criterion) {
     for (w, &id) in ids.iter().enumerate() {
         let depth = (w + 1) * 64;
         let ev = chain(1 << 30, &prompt[..depth * BS]);
-        let b = decode(&encode_batch(Format::VllmMap, 1.0, &[ev], Some(0))).unwrap();
+        let b = decode(&encode_batch(&[ev])).unwrap();
         h.apply_batch(id, 0, b, &metrics);
         for k in 0..((12_500 - depth) / 1024) {
             let b = decode(&batch(w as u64 * 100_000 + k as u64 * 16 + 2)).unwrap();

@@ -14,7 +14,6 @@
 //! - [`api`]: the axum handlers, `app(state) -> Router`; [`fastjson`]: the `/query` body fast path.
 //! - [`state`]: `--state-dir` snapshots.
 //! - [`config`]: command line and config file.
-//! - [`testing`]: an engine-like publisher (PUB + replay ROUTER) for tests and benchmarks.
 //!
 //! It must not hold the hub's lock across an `.await`, and must not let one engine's bad
 //! input cost more than that input.
@@ -28,7 +27,6 @@ pub mod feedlog;
 pub mod hub;
 pub mod metrics;
 pub mod state;
-pub mod testing;
 
 pub mod zmq;
 

@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use kvroute::api::{QueryResponse, RegisterRequest};
 use kvroute_collector::hub::Hub;
-use kvroute_collector::testing::Publisher;
 use kvroute_collector::{AppState, Config};
+use kvroute_sim::publisher::{Publisher, PublisherConfig};
+use kvroute_sim::wire::{EventFormat, ReplayShape};
 
 /// Upper bound for every eventual condition; never reached when things work.
 pub const DEADLINE: Duration = Duration::from_secs(15);
@@ -28,7 +29,7 @@ pub fn registration(
     RegisterRequest {
         instance_id: instance.into(),
         endpoint: p.endpoint.clone(),
-        replay_endpoint: Some(p.replay_endpoint.clone()),
+        replay_endpoint: p.replay_endpoint.clone(),
         model_name: model.into(),
         tenant_id: tenant.map(Into::into),
         block_size,
@@ -37,6 +38,28 @@ pub fn registration(
         cache_salt: None,
         address: None,
     }
+}
+
+/// An engine's publisher on free loopback ports: `format` with only its mandatory fields,
+/// replies in `shape`.
+pub async fn publisher(format: EventFormat, shape: ReplayShape) -> Publisher {
+    Publisher::start(PublisherConfig {
+        replay_shape: shape,
+        ..PublisherConfig::loopback(format)
+    })
+    .await
+    .expect("bind on loopback")
+}
+
+/// An engine's publisher coming back on the addresses it had (`tcp://127.0.0.1:PORT`).
+pub async fn publisher_on(endpoint: &str, replay: &str, format: EventFormat) -> Publisher {
+    Publisher::start(PublisherConfig {
+        endpoint: endpoint.into(),
+        replay_endpoint: Some(replay.into()),
+        ..PublisherConfig::loopback(format)
+    })
+    .await
+    .expect("bind again")
 }
 
 /// Waits until `cond` holds. ZMQ PUB/SUB may drop what was sent before the subscription
@@ -61,7 +84,7 @@ pub async fn eventually(
             "condition not reached within {DEADLINE:?}"
         );
         if let Some(p) = nudge.as_deref_mut() {
-            p.publish(&[]).await;
+            p.publish_events(&[]);
         }
     }
 }

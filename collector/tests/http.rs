@@ -6,8 +6,8 @@ use axum::http::{header, Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use kvroute::feed::{Op, Page};
 use kvroute_collector::decode::decode;
-use kvroute_collector::testing::{encode_batch, stored, Format};
 use kvroute_collector::{app, AppState, Config, Shared};
+use kvroute_sim::wire::{encode_events, stored, EventFormat, Extras};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
@@ -62,8 +62,11 @@ async fn seeded() -> AppState {
     let state = Shared::new(config());
     let (s, _) = post(&state, "/register", reg_body("w", 4)).await;
     assert_eq!(s, StatusCode::CREATED);
-    let batch = decode(&encode_batch(
-        Format::VllmMap,
+    let batch = decode(&encode_events(
+        EventFormat::Vllm033,
+        Extras {
+            vllm_group_fields: false,
+        },
         1.0,
         &[stored(None, 7, &(1..=12).collect::<Vec<_>>(), 4)],
         Some(0),
@@ -411,8 +414,11 @@ async fn feed_serves_a_snapshot_then_deltas() {
     assert!(!delta.is_reset() && delta.ops.is_empty());
     // A removal arrives as a delta (expanded by the cascade: all 3 blocks go).
     let id = state.read().workers().next().unwrap().id;
-    let batch = decode(&encode_batch(
-        Format::VllmMap,
+    let batch = decode(&encode_events(
+        EventFormat::Vllm033,
+        Extras {
+            vllm_group_fields: false,
+        },
         1.0,
         &[kvroute::event::KvEvent::BlockRemoved {
             hashes: vec![kvroute::event::EngineHash(7)],

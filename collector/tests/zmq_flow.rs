@@ -1,12 +1,13 @@
-//! End to end over real ZMQ sockets on loopback: an engine-like publisher (PUB + replay
-//! ROUTER, `kvroute_collector::testing`) feeds a collector; the index is checked through the
+//! End to end over real ZMQ sockets on loopback: an engine's publisher (PUB + replay
+//! ROUTER, `kvroute_sim::publisher`) feeds a collector; the index is checked through the
 //! same query the HTTP API serves.
 
 use std::time::Duration;
 
 use kvroute::event::{EngineHash, KvEvent, Tier};
-use kvroute_collector::testing::{stored, Format, Publisher, ReplayShape};
 use kvroute_collector::{Config, Shared};
+use kvroute_sim::publisher::{Publisher, PublisherConfig};
+use kvroute_sim::wire::{stored, EventFormat, ReplayShape};
 
 use crate::common::*;
 
@@ -15,15 +16,15 @@ const M: &str = "llama";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn longest_match_after_stores() {
     let state = Shared::new(config());
-    let mut a = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
-    let mut b = Publisher::bind(Format::VllmArray, ReplayShape::Old).await;
+    let mut a = publisher(EventFormat::Vllm033, ReplayShape::New).await;
+    let mut b = publisher(EventFormat::Vllm023, ReplayShape::Old).await;
     state.register(registration("a", &a, M, None, 4)).unwrap();
     state.register(registration("b", &b, M, None, 4)).unwrap();
     let t = tokens(1, 48);
     // a: 8 blocks, then 4 more as children of its 8th; b: the first 2 blocks.
-    a.publish(&[stored(None, 100, &t[..32], 4)]).await;
-    a.publish(&[stored(Some(107), 200, &t[32..48], 4)]).await;
-    b.publish(&[stored(None, 900, &t[..8], 4)]).await;
+    a.publish_events(&[stored(None, 100, &t[..32], 4)]);
+    a.publish_events(&[stored(Some(107), 200, &t[32..48], 4)]);
+    b.publish_events(&[stored(None, 900, &t[..8], 4)]);
     eventually(&state, Some(&mut a), |h| longest(h, &t, M, None, "a") == 48).await;
     eventually(&state, Some(&mut b), |h| longest(h, &t, M, None, "b") == 8).await;
     let r = query(&state.read(), &t, M, None);
@@ -51,29 +52,28 @@ async fn longest_match_after_stores() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn removal_in_the_middle_of_a_chain_cuts_the_match() {
     let state = Shared::new(config());
-    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let mut p = publisher(EventFormat::Vllm033, ReplayShape::New).await;
     state.register(registration("a", &p, M, None, 4)).unwrap();
     let t = tokens(1, 40);
-    p.publish(&[stored(None, 10, &t, 4)]).await;
+    p.publish_events(&[stored(None, 10, &t, 4)]);
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 40).await;
     // Evict the 4th block (hash 13): blocks 4.. go with it.
-    p.publish(&[KvEvent::BlockRemoved {
+    p.publish_events(&[KvEvent::BlockRemoved {
         hashes: vec![EngineHash(13)],
         tier: Tier::Gpu,
-    }])
-    .await;
+    }]);
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 12).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_blocks_cleared_empties_the_worker() {
     let state = Shared::new(config());
-    let mut p = Publisher::bind(Format::VllmArray, ReplayShape::New).await;
+    let mut p = publisher(EventFormat::Vllm023, ReplayShape::New).await;
     state.register(registration("a", &p, M, None, 4)).unwrap();
     let t = tokens(1, 16);
-    p.publish(&[stored(None, 10, &t, 4)]).await;
+    p.publish_events(&[stored(None, 10, &t, 4)]);
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 16).await;
-    p.publish(&[KvEvent::AllBlocksCleared]).await;
+    p.publish_events(&[KvEvent::AllBlocksCleared]);
     eventually(&state, Some(&mut p), |h| {
         query(h, &t, M, None).instances.is_empty()
     })
@@ -83,8 +83,8 @@ async fn all_blocks_cleared_empties_the_worker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_tenants_with_the_same_tokens_are_kept_apart() {
     let state = Shared::new(config());
-    let mut a = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
-    let mut b = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let mut a = publisher(EventFormat::Vllm033, ReplayShape::New).await;
+    let mut b = publisher(EventFormat::Vllm033, ReplayShape::New).await;
     state
         .register(registration("a", &a, M, Some("tenant-a"), 4))
         .unwrap();
@@ -92,8 +92,8 @@ async fn two_tenants_with_the_same_tokens_are_kept_apart() {
         .register(registration("b", &b, M, Some("tenant-b"), 4))
         .unwrap();
     let t = tokens(1, 32);
-    a.publish(&[stored(None, 10, &t, 4)]).await;
-    b.publish(&[stored(None, 10, &t[..8], 4)]).await;
+    a.publish_events(&[stored(None, 10, &t, 4)]);
+    b.publish_events(&[stored(None, 10, &t[..8], 4)]);
     eventually(&state, Some(&mut a), |h| {
         longest(h, &t, M, Some("tenant-a"), "a") == 32
     })
@@ -117,14 +117,14 @@ async fn two_tenants_with_the_same_tokens_are_kept_apart() {
 async fn a_gap_is_repaired_by_replay() {
     for shape in [ReplayShape::New, ReplayShape::Old] {
         let state = Shared::new(config());
-        let mut p = Publisher::bind(Format::VllmMap, shape).await;
+        let mut p = publisher(EventFormat::Vllm033, shape).await;
         state.register(registration("a", &p, M, None, 4)).unwrap();
         let t = tokens(1, 24);
-        p.publish(&[stored(None, 10, &t[..8], 4)]).await;
+        p.publish_events(&[stored(None, 10, &t[..8], 4)]);
         eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 8).await;
         // The middle batch never reaches the SUB socket.
-        p.publish_lost(&[stored(Some(11), 20, &t[8..16], 4)]).await;
-        p.publish(&[stored(Some(21), 30, &t[16..24], 4)]).await;
+        p.publish_events_lost(&[stored(Some(11), 20, &t[8..16], 4)]);
+        p.publish_events(&[stored(Some(21), 30, &t[16..24], 4)]);
         eventually(&state, None, |h| longest(h, &t, M, None, "a") == 24).await;
         let hub = state.read();
         let w = hub
@@ -145,19 +145,19 @@ async fn a_gap_is_repaired_by_replay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_restart_is_detected_and_the_sub_reconnects() {
     let state = Shared::new(config());
-    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let mut p = publisher(EventFormat::Vllm033, ReplayShape::New).await;
     state.register(registration("a", &p, M, None, 4)).unwrap();
     let old = tokens(1, 16);
-    p.publish(&[stored(None, 10, &old, 4)]).await;
-    p.publish(&[stored(Some(13), 20, &tokens(17, 4), 4)]).await;
+    p.publish_events(&[stored(None, 10, &old, 4)]);
+    p.publish_events(&[stored(Some(13), 20, &tokens(17, 4), 4)]);
     eventually(&state, Some(&mut p), |h| {
         longest(h, &old, M, None, "a") == 16
     })
     .await;
     // Same addresses, seq back to 0, empty cache: vLLM sends no AllBlocksCleared.
-    let mut p = p.restart().await;
+    let mut p = p.restart().await.expect("rebind");
     let new = tokens(500, 8);
-    p.publish(&[stored(None, 77, &new, 4)]).await;
+    p.publish_events(&[stored(None, 77, &new, 4)]);
     eventually(&state, Some(&mut p), |h| {
         longest(h, &new, M, None, "a") == 8 && longest(h, &old, M, None, "a") == 0
     })
@@ -171,11 +171,11 @@ async fn an_engine_restart_is_detected_and_the_sub_reconnects() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_before_registration_are_recovered_by_replay() {
     let state = Shared::new(config());
-    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let p = publisher(EventFormat::Vllm033, ReplayShape::New).await;
     let t = tokens(1, 24);
     // Published while nobody listens.
-    p.publish(&[stored(None, 10, &t[..8], 4)]).await;
-    p.publish(&[stored(Some(11), 20, &t[8..24], 4)]).await;
+    p.publish_events(&[stored(None, 10, &t[..8], 4)]);
+    p.publish_events(&[stored(Some(11), 20, &t[8..24], 4)]);
     state.register(registration("a", &p, M, None, 4)).unwrap();
     eventually(&state, None, |h| longest(h, &t, M, None, "a") == 24).await;
 }
@@ -183,12 +183,13 @@ async fn events_before_registration_are_recovered_by_replay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_keeps_blocks_for_a_while_then_reconnect_resumes() {
     let state = Shared::new(config());
-    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let mut p = publisher(EventFormat::Vllm033, ReplayShape::New).await;
     state.register(registration("a", &p, M, None, 4)).unwrap();
     let t = tokens(1, 16);
-    p.publish(&[stored(None, 10, &t[..8], 4)]).await;
+    p.publish_events(&[stored(None, 10, &t[..8], 4)]);
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 8).await;
-    let (endpoint, replay, next) = (p.endpoint.clone(), p.replay_endpoint.clone(), p.next_seq());
+    let replay = p.replay_endpoint.clone().expect("replay bound");
+    let (endpoint, next) = (p.endpoint.clone(), p.next_seq());
     p.close().await;
     // Hold the port meanwhile, so that no other test's publisher gets it.
     let hold = std::net::TcpListener::bind(endpoint.trim_start_matches("tcp://")).ok();
@@ -198,9 +199,9 @@ async fn disconnect_keeps_blocks_for_a_while_then_reconnect_resumes() {
     assert_eq!(longest(&state.read(), &t, M, None, "a"), 8);
     // The network comes back: same addresses, the engine's sequence goes on.
     drop((hold, hold_replay));
-    let mut p = Publisher::bind_on(&endpoint, &replay, Format::VllmMap, ReplayShape::New).await;
+    let mut p = publisher_on(&endpoint, &replay, EventFormat::Vllm033).await;
     p.resume_seq(next);
-    p.publish(&[stored(Some(11), 20, &t[8..16], 4)]).await;
+    p.publish_events(&[stored(Some(11), 20, &t[8..16], 4)]);
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 16).await;
     let hub = state.read();
     let w = hub.worker_views().into_iter().next().unwrap();
@@ -214,10 +215,10 @@ async fn a_worker_disconnected_too_long_loses_its_blocks() {
         keep_disconnected: Duration::from_millis(200),
         ..config()
     });
-    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let mut p = publisher(EventFormat::Vllm033, ReplayShape::New).await;
     state.register(registration("a", &p, M, None, 4)).unwrap();
     let t = tokens(1, 16);
-    p.publish(&[stored(None, 10, &t, 4)]).await;
+    p.publish_events(&[stored(None, 10, &t, 4)]);
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 16).await;
     let endpoint = p.endpoint.clone();
     p.close().await;
@@ -230,31 +231,34 @@ async fn a_worker_disconnected_too_long_loses_its_blocks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_single_token_pages_are_rechunked_into_blocks() {
     let state = Shared::new(config());
-    let mut p = Publisher::bind(Format::SglangArray, ReplayShape::New).await;
+    let mut p = publisher(EventFormat::SglangLegacy, ReplayShape::New).await;
     state.register(registration("a", &p, M, None, 4)).unwrap();
     let t = tokens(1, 10);
     // page_size 1: one "block" per token, hashes 1000.., chained.
-    p.publish(&[stored(None, 1000, &t[..6], 1)]).await;
-    p.publish(&[stored(Some(1005), 1006, &t[6..10], 1)]).await;
+    p.publish_events(&[stored(None, 1000, &t[..6], 1)]);
+    p.publish_events(&[stored(Some(1005), 1006, &t[6..10], 1)]);
     // 10 tokens: two full blocks of 4; the last 2 tokens are a partial block.
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 8).await;
     // Evicting the page of token 6 (hash 1005) drops block 2 (tokens 5..8).
-    p.publish(&[KvEvent::BlockRemoved {
+    p.publish_events(&[KvEvent::BlockRemoved {
         hashes: vec![EngineHash(1005)],
         tier: Tier::Gpu,
-    }])
-    .await;
+    }]);
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_batch_dp_rank_overrides_the_registered_one() {
     let state = Shared::new(config());
-    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
-    p.dp_rank = Some(3);
+    let mut p = Publisher::start(PublisherConfig {
+        dp_rank: Some(3),
+        ..PublisherConfig::loopback(EventFormat::Vllm033)
+    })
+    .await
+    .expect("bind");
     state.register(registration("a", &p, M, None, 4)).unwrap();
     let t = tokens(1, 8);
-    p.publish(&[stored(None, 10, &t, 4)]).await;
+    p.publish_events(&[stored(None, 10, &t, 4)]);
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 8).await;
     let r = query(&state.read(), &t, M, None);
     assert_eq!(r.instances["a"].dp.keys().collect::<Vec<_>>(), vec!["3"]);
@@ -263,7 +267,7 @@ async fn the_batch_dp_rank_overrides_the_registered_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lora_and_salt_scopes_from_events() {
     let state = Shared::new(config());
-    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let mut p = publisher(EventFormat::Vllm033, ReplayShape::New).await;
     state.register(registration("a", &p, M, None, 4)).unwrap();
     let t = tokens(1, 8);
     let mut ev = stored(None, 10, &t, 4);
@@ -276,7 +280,7 @@ async fn lora_and_salt_scopes_from_events() {
         *lora_name = Some("adapter".into());
         *cache_salt = Some("s1".into());
     }
-    p.publish(&[ev]).await;
+    p.publish_events(&[ev]);
     eventually(&state, Some(&mut p), |h| {
         h.query_tokens(&t, M, None, Some("adapter"), Some("s1"))
             .is_ok_and(|r| r.instances.contains_key("a"))
@@ -306,12 +310,12 @@ async fn state_dir_restart_keeps_the_index_and_replays_the_rest() {
         state_dir: Some(dir.path().to_owned()),
         ..config()
     };
-    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let mut p = publisher(EventFormat::Vllm033, ReplayShape::New).await;
     let t = tokens(1, 24);
     {
         let state = kvroute_collector::start(cfg.clone()).unwrap();
         state.register(registration("a", &p, M, None, 4)).unwrap();
-        p.publish(&[stored(None, 10, &t[..16], 4)]).await;
+        p.publish_events(&[stored(None, 10, &t[..16], 4)]);
         eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 16).await;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         // Serve and shut down at once: the final snapshot is written on shutdown.
@@ -321,7 +325,7 @@ async fn state_dir_restart_keeps_the_index_and_replays_the_rest() {
     }
     assert!(dir.path().join("state.json").exists());
     // While the collector is down the engine goes on.
-    p.publish(&[stored(Some(13), 20, &t[16..24], 4)]).await;
+    p.publish_events(&[stored(Some(13), 20, &t[16..24], 4)]);
     let state = kvroute_collector::start(cfg).unwrap();
     // The index is back before any event arrives...
     assert!(longest(&state.read(), &t, M, None, "a") >= 16);
@@ -351,7 +355,7 @@ async fn state_is_snapshotted_periodically_while_serving() {
         ..config()
     };
     let state = kvroute_collector::start(cfg).unwrap();
-    let p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let p = publisher(EventFormat::Vllm033, ReplayShape::New).await;
     state.register(registration("a", &p, M, None, 4)).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -372,14 +376,13 @@ async fn state_is_snapshotted_periodically_while_serving() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_batch_costs_only_itself() {
     let state = Shared::new(config());
-    let mut p = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let mut p = publisher(EventFormat::Vllm033, ReplayShape::New).await;
     state.register(registration("a", &p, M, None, 4)).unwrap();
     let t = tokens(1, 8);
-    p.publish(&[stored(None, 10, &t[..4], 4)]).await;
+    p.publish_events(&[stored(None, 10, &t[..4], 4)]);
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 4).await;
-    p.publish_payload(bytes::Bytes::from_static(b"\x93\xcb garbage"), true)
-        .await;
-    p.publish(&[stored(Some(10), 11, &t[4..8], 4)]).await;
+    p.publish(b"\x93\xcb garbage".to_vec());
+    p.publish_events(&[stored(Some(10), 11, &t[4..8], 4)]);
     eventually(&state, Some(&mut p), |h| longest(h, &t, M, None, "a") == 8).await;
     let w = state.read().worker_views().into_iter().next().unwrap();
     assert_eq!(w.status.decode_errors, 1);

@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use kvroute::api::RegisterRequest;
 use kvroute::bucket::Lease;
-use kvroute_collector::testing::{stored, Format, Publisher, ReplayShape};
 use kvroute_collector::AppState;
+use kvroute_sim::publisher::{Publisher, PublisherConfig};
+use kvroute_sim::wire::{stored, EventFormat};
 use serde_json::json;
 use tokio::runtime::Runtime;
 use tokio::sync::oneshot;
@@ -63,7 +64,7 @@ impl Collector {
             .register(RegisterRequest {
                 instance_id: instance.into(),
                 endpoint: p.endpoint.clone(),
-                replay_endpoint: Some(p.replay_endpoint.clone()),
+                replay_endpoint: p.replay_endpoint.clone(),
                 model_name: "m".into(),
                 tenant_id: None,
                 block_size: BS,
@@ -80,7 +81,7 @@ impl Collector {
     /// subscription, and the next sequence number makes the collector replay the gap).
     fn publish_and_wait(&self, rt: &Runtime, p: &mut Publisher, instance: &str, prompt: &[u32]) {
         rt.block_on(async {
-            p.publish(&[stored(None, 1, prompt, BS as usize)]).await;
+            p.publish_events(&[stored(None, 1, prompt, BS as usize)]);
             let until = tokio::time::Instant::now() + DEADLINE;
             loop {
                 let want = prompt.len() as u64;
@@ -100,7 +101,7 @@ impl Collector {
                     tokio::time::Instant::now() < until,
                     "collector never indexed the blocks"
                 );
-                p.publish(&[]).await;
+                p.publish_events(&[]);
             }
         });
     }
@@ -133,7 +134,11 @@ fn local_mode_syncs_from_a_real_collector_through_restarts_and_outages() {
     let prompt = tokens(0, 64);
     // Registration → events → feed → routed request.
     let c1 = Collector::start(&rt);
-    let mut p1 = rt.block_on(Publisher::bind(Format::VllmMap, ReplayShape::New));
+    let mut p1 = rt
+        .block_on(Publisher::start(PublisherConfig::loopback(
+            EventFormat::Vllm033,
+        )))
+        .expect("bind");
     c1.register(&rt, "a", &p1, A);
     c1.publish_and_wait(&rt, &mut p1, "a", &prompt);
     let mut gw = gateway(&config(json!({})), 2);
@@ -159,7 +164,11 @@ fn local_mode_syncs_from_a_real_collector_through_restarts_and_outages() {
 
     // A restarted collector (new epoch) with other contents: the filter resyncs.
     let c2 = Collector::start(&rt);
-    let mut p2 = rt.block_on(Publisher::bind(Format::VllmMap, ReplayShape::New));
+    let mut p2 = rt
+        .block_on(Publisher::start(PublisherConfig::loopback(
+            EventFormat::Vllm033,
+        )))
+        .expect("bind");
     c2.register(&rt, "b", &p2, B);
     c2.publish_and_wait(&rt, &mut p2, "b", &prompt);
     gw.cluster_forward(CLUSTER, c2.addr);

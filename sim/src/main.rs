@@ -1,5 +1,6 @@
-//! `kvroute-sim`: `engine` (a simulated vLLM/SGLang engine), `replay` (a Mooncake trace
-//! against a URL) and `bench` (the routing comparison). `--help` on each describes its flags.
+//! `kvroute-sim`: `engine` (a simulated vLLM/SGLang engine) and `replay` (a Mooncake trace
+//! against a URL). `--help` on each describes its flags. The routing comparison is
+//! `kvroute-bench routing`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -9,14 +10,14 @@ use clap::{Parser, Subcommand};
 use kvroute_sim::cache::CacheConfig;
 use kvroute_sim::engine::{Engine, EngineConfig};
 use kvroute_sim::replay::{self, Api, ReplayConfig, Target};
+use kvroute_sim::trace;
 use kvroute_sim::wire::EventFormat;
-use kvroute_sim::{bench, trace};
 
 #[derive(Parser)]
 #[command(
     name = "kvroute-sim",
     version,
-    about = "Engine simulator, trace replayer and routing benchmark for kvroute"
+    about = "Engine simulator and trace replayer for kvroute"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -29,8 +30,6 @@ enum Cmd {
     Engine(EngineArgs),
     /// Replay a Mooncake-format trace against a URL and record per-request results.
     Replay(ReplayArgs),
-    /// Compare routing policies on one trace and one simulated fleet.
-    Bench(bench::BenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -68,7 +67,7 @@ struct EngineArgs {
     /// Data-parallel ranks (each with its own cache; event ports offset by the rank).
     #[arg(long, default_value_t = 1)]
     dp_size: u32,
-    /// KV event format: vllm-0.33 | vllm-0.23 | sglang.
+    /// KV event format: vllm-0.33 | vllm-0.23 | sglang | sglang-0.5.18.
     #[arg(long, default_value = "vllm-0.33")]
     event_format: EventFormat,
     /// ZMQ PUB endpoint of rank 0 (binds), e.g. tcp://127.0.0.1:5557. Omit: no events.
@@ -141,7 +140,6 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
         Cmd::Engine(a) => run_engine(a).await,
         Cmd::Replay(a) => run_replay(a).await,
-        Cmd::Bench(a) => bench::main(a).await,
     }
 }
 

@@ -11,12 +11,12 @@ fn hex(b: &[u8]) -> String {
 }
 
 fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>, bs: usize) -> WireEvent {
-    WireEvent::BlockStored {
-        hashes: hashes.iter().map(|&h| EngineHash(h)).collect(),
-        parent: parent.map(EngineHash),
-        token_ids: tokens,
-        block_size: bs,
-    }
+    WireEvent::stored(
+        hashes.iter().map(|&h| EngineHash(h)).collect(),
+        parent.map(EngineHash),
+        tokens,
+        bs,
+    )
 }
 
 const PLAIN: Extras = Extras {
@@ -58,9 +58,7 @@ fn vllm_033_block_stored_with_group_fields_matches_the_real_bytes() {
 #[test]
 fn vllm_033_removed_and_cleared_match_the_real_bytes() {
     let ev = [
-        WireEvent::BlockRemoved {
-            hashes: vec![EngineHash(H1), EngineHash(7)],
-        },
+        WireEvent::removed(vec![EngineHash(H1), EngineHash(7)]),
         WireEvent::AllBlocksCleared,
     ];
     let b = encode_batch(EventFormat::Vllm033, PLAIN, 4.0, &ev, Some(0));
@@ -74,9 +72,7 @@ fn vllm_033_live_publisher_frame_matches() {
         EventFormat::Vllm033,
         PLAIN,
         10.0,
-        &[WireEvent::BlockRemoved {
-            hashes: vec![EngineHash(0)],
-        }],
+        &[WireEvent::removed(vec![EngineHash(0)])],
         Some(0),
     );
     assert_eq!(hex(&b), "93cb40240000000000009183a474797065ac426c6f636b52656d6f766564ac626c6f636b5f6861736865739100a66d656469756da347505500");
@@ -106,9 +102,7 @@ fn vllm_023_array_events_match_the_real_bytes() {
     );
     assert_eq!(hex(&b), "93cb4000000000000000919cab426c6f636b53746f72656491cfcb73eeaed59c009dcfb9807785afee48bb94090a0b0c04c0a3475055c091c000ae66756c6c5f617474656e74696f6ec0c0");
     let ev = [
-        WireEvent::BlockRemoved {
-            hashes: vec![EngineHash(H1), EngineHash(7)],
-        },
+        WireEvent::removed(vec![EngineHash(H1), EngineHash(7)]),
         WireEvent::AllBlocksCleared,
     ];
     let b = encode_batch(EventFormat::Vllm023, PLAIN, 4.0, &ev, Some(0));
@@ -123,9 +117,7 @@ fn sglang_map_events_match_the_real_bytes() {
     ];
     let ev = [
         stored(&h, None, (1..=8).collect(), 4),
-        WireEvent::BlockRemoved {
-            hashes: vec![EngineHash(h[0])],
-        },
+        WireEvent::removed(vec![EngineHash(h[0])]),
         WireEvent::AllBlocksCleared,
     ];
     let b = encode_batch(

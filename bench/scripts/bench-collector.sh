@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The collector's benchmarks, with NVIDIA Dynamo's standalone indexer side by side.
-# Writes collector/BENCH.md. Usage (from the repository root): bash collector/bench.sh [bench args]
-#   e.g. bash collector/bench.sh --blocks 1000000 --concurrency 32 --seconds 5
+# Writes collector/BENCH.md. Usage: bash bench/scripts/bench-collector.sh [bench args]
+#   e.g. bash bench/scripts/bench-collector.sh --blocks 1000000 --concurrency 32 --seconds 5
+# The arguments go to `kvroute-bench collector` (see its --help).
 # Set NO_DYNAMO=1 to skip the Dynamo column (no PyPI access needed then).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VENV=collector/.venv-bench
 DYN=()
 if [ -z "${NO_DYNAMO:-}" ]; then
@@ -15,7 +16,7 @@ if [ -z "${NO_DYNAMO:-}" ]; then
   DYN=(--dynamo "$VENV/bin/python")
 fi
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}"
-cargo build -q --profile bench -p kvroute-collector --bin kvroute-collector-bench
-"$CARGO_TARGET_DIR/release/kvroute-collector-bench" "${DYN[@]}" "$@" > collector/BENCH.md.new
+cargo build -q --profile bench -p kvroute-bench --bin kvroute-bench
+"$CARGO_TARGET_DIR/release/kvroute-bench" collector "${DYN[@]}" "$@" > collector/BENCH.md.new
 mv collector/BENCH.md.new collector/BENCH.md
 cat collector/BENCH.md

@@ -8,8 +8,8 @@ use std::sync::Mutex;
 use kvroute::select::{self, Candidate, SplitMix64, Weights};
 use serde_json::json;
 
-use crate::engine::Engine;
-use crate::replay::{BoxFuture, Decision, Route, RouteRequest};
+use kvroute_sim::engine::Engine;
+use kvroute_sim::replay::{BoxFuture, Decision, Route, RouteRequest};
 
 /// One engine as the routers see it.
 #[derive(Clone, Debug)]

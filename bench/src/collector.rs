@@ -1,8 +1,8 @@
-//! `kvroute-collector-bench`: the collector's system benchmarks, printed as a markdown report,
+//! `kvroute-bench collector`: the collector's system benchmarks, printed as a markdown report,
 //! with NVIDIA Dynamo's standalone indexer (`python -m dynamo.indexer`) side by side when
 //! `--dynamo PYTHON` names a Python that has `ai-dynamo-runtime==1.6.1`.
 //!
-//! - **ingest**: engine-like publishers (`kvroute_collector::testing`) send pre-encoded vLLM
+//! - **ingest**: the simulator's publishers (`kvroute_sim::publisher`) send pre-encoded vLLM
 //!   0.33 batches over real ZMQ on loopback; the time from the first send until the index holds
 //!   every block gives blocks/s. The collector runs on a tokio runtime with ONE worker thread;
 //!   the publishers on another.
@@ -14,23 +14,20 @@
 //!
 //! Everything runs on this machine's loopback; every loop is bounded in count and time.
 
-use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use clap::Parser;
 use kvroute::api::RegisterRequest;
 use kvroute::event::{EngineHash, KvEvent, StoredBlock, Tier};
-use kvroute_collector::testing::{encode_batch, Format, Publisher, ReplayShape};
 use kvroute_collector::{Config, Shared};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use kvroute_sim::publisher::{Publisher, PublisherConfig};
+use kvroute_sim::wire::{self, EventFormat, Extras};
 
-#[derive(Parser, Debug)]
-#[command(about = "kvroute collector benchmarks (markdown report on stdout)")]
-struct Args {
+use crate::dynamo::{dynamo_longest, dynamo_register, start_dynamo};
+use crate::loadgen::{load, QueryStats};
+
+/// Flags of `kvroute-bench collector`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CollectorArgs {
     /// Python with ai-dynamo-runtime 1.6.1, to run Dynamo's indexer side by side.
     #[arg(long)]
     dynamo: Option<String>,
@@ -51,12 +48,53 @@ struct Args {
 const BS: usize = 16;
 const MODEL: &str = "bench-model";
 
-fn main() {
-    let args = Args::parse();
+/// vLLM 0.33 batches with only the mandatory fields, as the published figures were made.
+const FORMAT: EventFormat = EventFormat::Vllm033;
+const EXTRAS: Extras = Extras {
+    vllm_group_fields: false,
+};
+
+fn encode(events: &[KvEvent]) -> Vec<u8> {
+    wire::encode_events(FORMAT, EXTRAS, 1.0, events, Some(0))
+}
+
+/// `n` publishers on loopback, started on `rt` (their send tasks run there).
+fn start_publishers(rt: &tokio::runtime::Runtime, n: usize) -> Result<Vec<Publisher>, String> {
+    rt.block_on(async {
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let p = Publisher::start(PublisherConfig::loopback(FORMAT))
+                .await
+                .map_err(|e| e.to_string())?;
+            out.push(p);
+        }
+        Ok(out)
+    })
+}
+
+/// Publishes every publisher's batches in order, and waits until they are all on the wire.
+fn publish_all(rt: &tokio::runtime::Runtime, pubs: &[Publisher], batches: Vec<Vec<Vec<u8>>>) {
+    rt.block_on(async {
+        let mut last = Vec::new();
+        for (p, bs) in pubs.iter().zip(batches) {
+            let mut seq = None;
+            for b in bs {
+                seq = Some(p.publish(b));
+            }
+            last.push((p.published(), seq));
+        }
+        for (mut watch, seq) in last {
+            let _ = watch.wait_for(|sent| *sent >= seq).await;
+        }
+    });
+}
+
+/// Runs every benchmark and prints the markdown report.
+pub fn run(args: CollectorArgs) {
     let mut report = String::new();
     report.push_str("# kvroute-collector benchmarks\n\n");
     report.push_str(&format!(
-        "Machine: {} cores, `{}`. Command: `bash collector/bench.sh` (creates `collector/.venv-bench` with `ai-dynamo-runtime==1.6.1`, builds with `--profile bench`, runs `kvroute-collector-bench --dynamo collector/.venv-bench/bin/python`, writes this file).\n\n",
+        "Machine: {} cores, `{}`. Command: `bash bench/scripts/bench-collector.sh` (creates `collector/.venv-bench` with `ai-dynamo-runtime==1.6.1`, builds with `--profile bench`, runs `kvroute-bench collector --dynamo collector/.venv-bench/bin/python`, writes `collector/BENCH.md`).\n\n",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         std::fs::read_to_string("/proc/cpuinfo")
             .ok()
@@ -158,17 +196,6 @@ fn fmt_ingest(r: &Result<Ingest, String>) -> String {
     }
 }
 
-#[derive(Debug, Clone)]
-struct Phase {
-    conns: usize,
-    rps: f64,
-    p50_us: f64,
-    p99_us: f64,
-    errors: u64,
-}
-
-type QueryStats = Vec<Phase>;
-
 fn fmt_query(name: &str, q: &Result<QueryStats, String>) -> String {
     match q {
         Ok(phases) => phases
@@ -248,7 +275,7 @@ fn engine_hash(chain: u64, i: u64) -> EngineHash {
 }
 
 /// Pre-encoded payloads: per publisher, batches of 16 chains of 64 blocks (1,024 blocks).
-fn payloads(publishers: usize, blocks: usize) -> Vec<Vec<Bytes>> {
+fn payloads(publishers: usize, blocks: usize) -> Vec<Vec<Vec<u8>>> {
     const CHAIN: usize = 64;
     const PER_BATCH: usize = 16;
     let chains = blocks / CHAIN;
@@ -262,12 +289,7 @@ fn payloads(publishers: usize, blocks: usize) -> Vec<Vec<Bytes>> {
             let events: Vec<KvEvent> = (0..n).map(|i| chain_event(chain + i, CHAIN)).collect();
             chain += n;
             left -= n;
-            batches.push(Bytes::from(encode_batch(
-                Format::VllmMap,
-                1.0,
-                &events,
-                Some(0),
-            )));
+            batches.push(encode(&events));
         }
     }
     out
@@ -277,7 +299,7 @@ fn reg(i: usize, p: &Publisher) -> RegisterRequest {
     RegisterRequest {
         instance_id: (i + 1).to_string(),
         endpoint: p.endpoint.clone(),
-        replay_endpoint: Some(p.replay_endpoint.clone()),
+        replay_endpoint: p.replay_endpoint.clone(),
         model_name: MODEL.into(),
         tenant_id: None,
         block_size: BS as u32,
@@ -293,10 +315,7 @@ fn ingest_ours(publishers: usize, blocks: usize) -> Result<Ingest, String> {
     let total_blocks: usize = blocks / 64 * 64;
     let server = runtime(1);
     let client = runtime(1);
-    let mut pubs: Vec<Publisher> = client.block_on(async {
-        futures_join((0..publishers).map(|_| Publisher::bind(Format::VllmMap, ReplayShape::New)))
-            .await
-    });
+    let pubs = start_publishers(&client, publishers)?;
     let config = Config {
         max_blocks_per_worker: 1 << 24,
         feed_log_entries: 1 << 16,
@@ -321,17 +340,7 @@ fn ingest_ours(publishers: usize, blocks: usize) -> Result<Ingest, String> {
     // Let the subscriptions land before timing.
     std::thread::sleep(Duration::from_millis(300));
     let started = Instant::now();
-    client.block_on(async {
-        let sends = pubs
-            .iter_mut()
-            .zip(payloads)
-            .map(|(p, batches)| async move {
-                for b in batches {
-                    p.publish_payload(b, true).await;
-                }
-            });
-        futures_join(sends).await;
-    });
+    publish_all(&client, &pubs, payloads);
     let done = server.block_on(state.wait_until(Duration::from_secs(120), |h| {
         h.index.stats().holds >= total_blocks
     }));
@@ -358,181 +367,6 @@ fn ingest_ours(publishers: usize, blocks: usize) -> Result<Ingest, String> {
     })
 }
 
-async fn futures_join<F: std::future::Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
-    futures_util::future::join_all(futs).await
-}
-
-/// A running `python -m dynamo.indexer`.
-struct Dynamo {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Drop for Dynamo {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or(18090)
-}
-
-fn start_dynamo(python: &str) -> Result<Dynamo, String> {
-    let port = free_port();
-    let child = Command::new(python)
-        .args([
-            "-m",
-            "dynamo.indexer",
-            "--port",
-            &port.to_string(),
-            "--threads",
-            "1",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("starting {python} -m dynamo.indexer: {e}"))?;
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
-    let d = Dynamo { child, addr };
-    let until = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < until {
-        if let Ok((200, _)) = http_blocking(addr, "GET", "/health", b"") {
-            return Ok(d);
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Err("Dynamo indexer did not answer /health within 30 s".into())
-}
-
-/// One blocking HTTP/1.1 request (setup and polling only).
-fn http_blocking(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    body: &[u8],
-) -> Result<(u16, Vec<u8>), String> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    rt.block_on(async {
-        let mut s = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-        let req = request_bytes(method, path, body);
-        s.write_all(&req).await.map_err(|e| e.to_string())?;
-        let mut buf = Vec::new();
-        read_response(&mut s, &mut buf).await
-    })
-}
-
-fn request_bytes(method: &str, path: &str, body: &[u8]) -> Vec<u8> {
-    let mut r = format!(
-        "{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    r.extend_from_slice(body);
-    r
-}
-
-/// Reads one response (content-length or chunked); returns status and body.
-async fn read_response(s: &mut TcpStream, buf: &mut Vec<u8>) -> Result<(u16, Vec<u8>), String> {
-    buf.clear();
-    let mut chunk = [0u8; 65536];
-    let header_end = loop {
-        if let Some(i) = find(buf, b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = s.read(&mut chunk).await.map_err(|e| e.to_string())?;
-        if n == 0 {
-            return Err("connection closed".into());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..header_end]).to_ascii_lowercase();
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    if let Some(len) = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse::<usize>().ok())
-    {
-        while buf.len() < header_end + len {
-            let n = s.read(&mut chunk).await.map_err(|e| e.to_string())?;
-            if n == 0 {
-                return Err("connection closed".into());
-            }
-            buf.extend_from_slice(&chunk[..n]);
-        }
-        let body = buf[header_end..header_end + len].to_vec();
-        buf.drain(..header_end + len);
-        return Ok((status, body));
-    }
-    // Chunked: read until the last chunk.
-    while find(&buf[header_end..], b"0\r\n\r\n").is_none() {
-        let n = s.read(&mut chunk).await.map_err(|e| e.to_string())?;
-        if n == 0 {
-            break;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    let body = buf[header_end..].to_vec();
-    buf.clear();
-    Ok((status, body))
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
-}
-
-fn dynamo_register(d: &Dynamo, i: usize, p: &Publisher) -> Result<(), String> {
-    let body = serde_json::json!({
-        "instance_id": i as u64 + 1,
-        "endpoint": p.endpoint,
-        "replay_endpoint": p.replay_endpoint,
-        "model_name": MODEL,
-        "block_size": BS,
-        "dp_rank": 0,
-    });
-    match http_blocking(d.addr, "POST", "/register", body.to_string().as_bytes())? {
-        (200..=299, _) => Ok(()),
-        (s, b) => Err(format!("register: {s} {}", String::from_utf8_lossy(&b))),
-    }
-}
-
-/// Dynamo's longest match of `tokens` for `instance`, in tokens.
-fn dynamo_longest(d: &Dynamo, tokens: &[u32], instance: usize) -> u64 {
-    let body = serde_json::json!({"token_ids": tokens, "model_name": MODEL});
-    let Ok((200, b)) = http_blocking(d.addr, "POST", "/query", body.to_string().as_bytes()) else {
-        return 0;
-    };
-    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b) else {
-        return 0;
-    };
-    let id = (instance + 1).to_string();
-    let from_instances = v["instances"].as_object().and_then(|m| {
-        m.iter()
-            .filter(|(k, _)| **k == id || k.starts_with(&format!("{id}:")))
-            .filter_map(|(_, x)| x["longest_matched"].as_u64())
-            .max()
-    });
-    // Fallback: `scores` {worker: {dp_rank: tokens}}.
-    from_instances
-        .or_else(|| {
-            v["scores"][&id]
-                .as_object()
-                .and_then(|m| m.values().filter_map(|x| x.as_u64()).max())
-        })
-        .unwrap_or(0)
-}
-
 fn ingest_dynamo(python: &str, publishers: usize, blocks: usize) -> Result<Ingest, String> {
     let d = start_dynamo(python)?;
     let base_rss = rss_bytes(Some(d.child.id()));
@@ -548,31 +382,18 @@ fn ingest_dynamo(python: &str, publishers: usize, blocks: usize) -> Result<Inges
         last_chain.push(c - 1);
     }
     let client = runtime(1);
-    let mut pubs: Vec<Publisher> = client.block_on(async {
-        futures_join((0..publishers).map(|_| Publisher::bind(Format::VllmMap, ReplayShape::New)))
-            .await
-    });
+    let pubs = start_publishers(&client, publishers)?;
     for (i, p) in pubs.iter().enumerate() {
-        dynamo_register(&d, i, p)?;
+        dynamo_register(&d, i, p, MODEL, BS)?;
     }
     // Dynamo's subscriber loses what is published in its first ~1.5 s (runnable_peers.md).
     std::thread::sleep(Duration::from_secs(2));
     let started = Instant::now();
-    client.block_on(async {
-        let sends = pubs
-            .iter_mut()
-            .zip(payloads)
-            .map(|(p, batches)| async move {
-                for b in batches {
-                    p.publish_payload(b, true).await;
-                }
-            });
-        futures_join(sends).await;
-    });
+    publish_all(&client, &pubs, payloads);
     let until = Instant::now() + Duration::from_secs(300);
     for (i, &chain) in last_chain.iter().enumerate() {
         let tokens = chain_tokens(chain, 64);
-        while dynamo_longest(&d, &tokens, i) < (64 * BS) as u64 {
+        while dynamo_longest(&d, &tokens, i, MODEL) < (64 * BS) as u64 {
             if Instant::now() > until {
                 return Err(format!("publisher {i}: last chain not indexed after 300 s"));
             }
@@ -602,7 +423,7 @@ fn ingest_dynamo(python: &str, publishers: usize, blocks: usize) -> Result<Inges
 
 /// Events of the /query index: worker w holds the first (w+1)·64 blocks of the 512-block
 /// prompt, plus filler chains up to 12,500 blocks.
-fn query_index_batches() -> (Vec<u32>, Vec<Vec<Bytes>>) {
+fn query_index_batches() -> (Vec<u32>, Vec<Vec<Vec<u8>>>) {
     let prompt: Vec<u32> = (0..512 * BS as u32).map(|i| i * 7 % 50_000).collect();
     let mut out = Vec::new();
     for w in 0..8usize {
@@ -622,12 +443,7 @@ fn query_index_batches() -> (Vec<u32>, Vec<Vec<Bytes>>) {
             lora_name: None,
             cache_salt: None,
         };
-        batches.push(Bytes::from(encode_batch(
-            Format::VllmMap,
-            1.0,
-            &[ev],
-            Some(0),
-        )));
+        batches.push(encode(&[ev]));
         let mut left = 12_500 - depth;
         let mut chain = w * 1000;
         while left > 0 {
@@ -635,26 +451,19 @@ fn query_index_batches() -> (Vec<u32>, Vec<Vec<Bytes>>) {
             let events = vec![chain_event(chain, n)];
             chain += 1;
             left -= n;
-            batches.push(Bytes::from(encode_batch(
-                Format::VllmMap,
-                1.0,
-                &events,
-                Some(0),
-            )));
+            batches.push(encode(&events));
         }
         out.push(batches);
     }
     (prompt, out)
 }
 
-fn query_ours(args: &Args) -> Result<QueryStats, String> {
+fn query_ours(args: &CollectorArgs) -> Result<QueryStats, String> {
     let (prompt, batches) = query_index_batches();
     // HTTP serving may use both cores, as Dynamo's server does.
     let server = runtime(2);
     let client = runtime(1);
-    let mut pubs: Vec<Publisher> = client.block_on(async {
-        futures_join((0..8).map(|_| Publisher::bind(Format::VllmMap, ReplayShape::New))).await
-    });
+    let pubs = start_publishers(&client, 8)?;
     let (state, addr) = server.block_on(async {
         let state = Shared::new(Config::default());
         for (i, p) in pubs.iter().enumerate() {
@@ -676,14 +485,7 @@ fn query_ours(args: &Args) -> Result<QueryStats, String> {
         Ok::<_, String>((state, addr))
     })?;
     std::thread::sleep(Duration::from_millis(300));
-    client.block_on(async {
-        let sends = pubs.iter_mut().zip(batches).map(|(p, bs)| async move {
-            for b in bs {
-                p.publish_payload(b, true).await;
-            }
-        });
-        futures_join(sends).await;
-    });
+    publish_all(&client, &pubs, batches);
     let ok = server.block_on(state.wait_until(Duration::from_secs(60), |h| {
         h.index.stats().holds >= 100_000
     }));
@@ -708,7 +510,7 @@ fn query_ours(args: &Args) -> Result<QueryStats, String> {
     }
     let query_us = t.elapsed().as_secs_f64() * 1e3;
     eprintln!("server work per /query: body scan {parse_us:.1} µs, hash + match {query_us:.1} µs");
-    let stats = load(addr, &prompt, args);
+    let stats = load(addr, &prompt, MODEL, &args.concurrency, args.seconds);
     // Check the answer is right.
     let check = server
         .block_on(async { state.read().query_tokens(&prompt, MODEL, None, None, None) })
@@ -720,27 +522,18 @@ fn query_ours(args: &Args) -> Result<QueryStats, String> {
     stats
 }
 
-fn query_dynamo(python: &str, args: &Args) -> Result<QueryStats, String> {
+fn query_dynamo(python: &str, args: &CollectorArgs) -> Result<QueryStats, String> {
     let d = start_dynamo(python)?;
     let (prompt, batches) = query_index_batches();
     let client = runtime(1);
-    let mut pubs: Vec<Publisher> = client.block_on(async {
-        futures_join((0..8).map(|_| Publisher::bind(Format::VllmMap, ReplayShape::New))).await
-    });
+    let pubs = start_publishers(&client, 8)?;
     for (i, p) in pubs.iter().enumerate() {
-        dynamo_register(&d, i, p)?;
+        dynamo_register(&d, i, p, MODEL, BS)?;
     }
     std::thread::sleep(Duration::from_secs(2));
-    client.block_on(async {
-        let sends = pubs.iter_mut().zip(batches).map(|(p, bs)| async move {
-            for b in bs {
-                p.publish_payload(b, true).await;
-            }
-        });
-        futures_join(sends).await;
-    });
+    publish_all(&client, &pubs, batches);
     let until = Instant::now() + Duration::from_secs(120);
-    while dynamo_longest(&d, &prompt, 7) < 8192 {
+    while dynamo_longest(&d, &prompt, 7, MODEL) < 8192 {
         if Instant::now() > until {
             return Err("Dynamo did not index the prompt".into());
         }
@@ -748,74 +541,7 @@ fn query_dynamo(python: &str, args: &Args) -> Result<QueryStats, String> {
     }
     // Filler last: wait a little for the rest of the events.
     std::thread::sleep(Duration::from_secs(1));
-    load(d.addr, &prompt, args)
-}
-
-/// Sequential, then concurrent closed-loop load phases on `/query`.
-fn load(addr: SocketAddr, prompt: &[u32], args: &Args) -> Result<QueryStats, String> {
-    let body = serde_json::json!({"token_ids": prompt, "model_name": MODEL}).to_string();
-    let req = Arc::new(request_bytes("POST", "/query", body.as_bytes()));
-    let rt = runtime(1);
-    let dur = Duration::from_secs_f64(args.seconds);
-    let pct = |v: &[u32], p: f64| {
-        v.get(((v.len() as f64 - 1.0) * p) as usize)
-            .copied()
-            .unwrap_or(0) as f64
-    };
-    let mut phases = Vec::new();
-    for conns in std::iter::once(1).chain(args.concurrency.iter().copied()) {
-        let (mut lat, n, errors) = rt.block_on(run_clients(addr, req.clone(), conns, dur))?;
-        lat.sort_unstable();
-        phases.push(Phase {
-            conns,
-            rps: n as f64 / dur.as_secs_f64(),
-            p50_us: pct(&lat, 0.5),
-            p99_us: pct(&lat, 0.99),
-            errors,
-        });
-    }
-    Ok(phases)
-}
-
-async fn run_clients(
-    addr: SocketAddr,
-    req: Arc<Vec<u8>>,
-    conns: usize,
-    dur: Duration,
-) -> Result<(Vec<u32>, usize, u64), String> {
-    let until = Instant::now() + dur;
-    let tasks: Vec<_> = (0..conns)
-        .map(|_| {
-            let req = req.clone();
-            tokio::spawn(async move {
-                let mut lat = Vec::new();
-                let mut errors = 0u64;
-                let mut s = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-                let _ = s.set_nodelay(true);
-                let mut buf = Vec::with_capacity(1 << 16);
-                // Bounded in time and count.
-                while Instant::now() < until && lat.len() < 10_000_000 {
-                    let t = Instant::now();
-                    s.write_all(&req).await.map_err(|e| e.to_string())?;
-                    let (status, _) = read_response(&mut s, &mut buf).await?;
-                    if status != 200 {
-                        errors += 1;
-                    }
-                    lat.push(t.elapsed().as_micros().min(u32::MAX as u128) as u32);
-                }
-                Ok::<_, String>((lat, errors))
-            })
-        })
-        .collect();
-    let mut all = Vec::new();
-    let mut errors = 0;
-    for t in tasks {
-        let (lat, e) = t.await.map_err(|e| e.to_string())??;
-        all.extend(lat);
-        errors += e;
-    }
-    let n = all.len();
-    Ok((all, n, errors))
+    load(d.addr, &prompt, MODEL, &args.concurrency, args.seconds)
 }
 
 /// RSS per million (block, holder) entries: 8 workers share half their blocks.
@@ -857,13 +583,7 @@ fn rss_per_million(entries: usize) -> f64 {
                 // Workers pair up on the same chains: every block has 2 holders.
                 let c = chain + (w / 2) * 1_000_000;
                 let events: Vec<KvEvent> = (0..16).map(|i| chain_event(c + i, 64)).collect();
-                let batch = kvroute_collector::decode::decode(&encode_batch(
-                    Format::VllmMap,
-                    1.0,
-                    &events,
-                    Some(0),
-                ))
-                .expect("decode");
+                let batch = kvroute_collector::decode::decode(&encode(&events)).expect("decode");
                 state.write().apply_batch(id, seq, batch, &state.metrics);
                 seq += 1;
                 chain += 16;

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use clap::Parser;
-use kvroute_sim::bench::policy::{KvAware, MatchSource};
-use kvroute_sim::bench::{start_collector, start_fleet, BenchArgs};
+use kvroute_bench::routing::policy::{KvAware, MatchSource};
+use kvroute_bench::routing::{start_collector, start_fleet, BenchArgs};
 use kvroute_sim::replay::{Route, RouteRequest};
 
 #[derive(Parser)]

@@ -1,4 +1,4 @@
-//! `kvroute-sim bench`: the routing comparison on one trace and one simulated fleet.
+//! `kvroute-bench routing`: the routing comparison on one trace and one simulated fleet.
 //!
 //! # How it runs
 //!
@@ -30,11 +30,11 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-use crate::cache::CacheConfig;
-use crate::engine::{Engine, EngineConfig};
-use crate::replay::{self, Api, ReplayConfig, Target};
-use crate::trace;
-use crate::wire::EventFormat;
+use kvroute_sim::cache::CacheConfig;
+use kvroute_sim::engine::{Engine, EngineConfig};
+use kvroute_sim::replay::{self, Api, ReplayConfig, Target};
+use kvroute_sim::trace;
+use kvroute_sim::wire::EventFormat;
 use peers::{Peer, PeerEngine};
 use policy::{KvAware, LeastRequest, MatchSource, RoundRobin, Slot};
 use report::{EngineLoad, PolicyResult};
@@ -49,7 +49,7 @@ pub const POLICIES: [&str; 6] = [
     "sglang-router",
 ];
 
-/// Flags of `kvroute-sim bench`.
+/// Flags of `kvroute-bench routing`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Mooncake-format trace.

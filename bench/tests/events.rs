@@ -343,3 +343,67 @@ async fn dp_ranks_publish_on_offset_ports_with_their_rank() {
     assert_eq!(batch.dp_rank, Some(1));
     assert!(e.journal(0).is_empty(), "rank 0 saw nothing");
 }
+
+/// A LoRA, salted, CPU-tier store, a DISK removal and a clear.
+fn scoped_events() -> Vec<KvEvent> {
+    let mut ev = kvroute_sim::wire::stored(None, 1 << 63, &[1, 2, 3, 4, 5, 6, 7, 8], 4);
+    if let KvEvent::BlockStored {
+        cache_salt,
+        lora_name,
+        tier,
+        ..
+    } = &mut ev
+    {
+        *cache_salt = Some("salt".into());
+        *lora_name = Some("lora".into());
+        *tier = Tier::Cpu;
+    }
+    vec![
+        ev,
+        KvEvent::BlockRemoved {
+            hashes: vec![EngineHash(1 << 63)],
+            tier: Tier::Disk,
+        },
+        KvEvent::AllBlocksCleared,
+    ]
+}
+
+#[test]
+fn core_events_decode_back_in_every_format() {
+    use kvroute_sim::wire::{encode_events, Extras};
+    let events = scoped_events();
+    // vLLM carries the LoRA name and the salt, with or without the optional group fields.
+    for format in [EventFormat::Vllm033, EventFormat::Vllm023] {
+        for group in [false, true] {
+            let x = Extras {
+                vllm_group_fields: group,
+            };
+            let b =
+                kvroute_collector::decode::decode(&encode_events(format, x, 2.0, &events, Some(3)))
+                    .unwrap();
+            assert_eq!(b.events, events, "{format} group fields {group}");
+            assert_eq!(b.dp_rank, Some(3));
+        }
+    }
+    // SGLang carries neither: the same events without them, hashes as signed ints.
+    let plain = vec![
+        kvroute_sim::wire::stored(Some(5), 1 << 63, &[1, 2, 3, 4], 4),
+        KvEvent::BlockRemoved {
+            hashes: vec![EngineHash(u64::MAX)],
+            tier: Tier::Cpu,
+        },
+        KvEvent::AllBlocksCleared,
+    ];
+    for format in [EventFormat::Sglang, EventFormat::SglangLegacy] {
+        let b = kvroute_collector::decode::decode(&encode_events(
+            format,
+            Extras::engine(format),
+            2.0,
+            &plain,
+            None,
+        ))
+        .unwrap();
+        assert_eq!(b.events, plain, "{format}");
+        assert_eq!(b.dp_rank, None);
+    }
+}

@@ -1,7 +1,7 @@
 //! The real peers from PyPI, run as child processes in front of the simulated engines:
 //! `vllm-router` 0.1.17 (`--policy kv_aware`, fed by the engines' KV events in vLLM's map
 //! format) and `sglang-router` 0.3.2 (`--policy cache_aware`, text prompts). They are installed
-//! into a venv by `sim/scripts/bench-routing.sh`; a missing one is reported and skipped.
+//! into a venv by `bench/scripts/bench-routing.sh`; a missing one is reported and skipped.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -50,7 +50,7 @@ impl Running {
 /// Why a peer did not start.
 #[derive(Debug, thiserror::Error)]
 pub enum PeerError {
-    #[error("{0} is not installed at {1} (run sim/scripts/bench-routing.sh to install it)")]
+    #[error("{0} is not installed at {1} (run bench/scripts/bench-routing.sh to install it)")]
     NotInstalled(&'static str, PathBuf),
     #[error("{0} failed to start: {1}")]
     Spawn(&'static str, std::io::Error),

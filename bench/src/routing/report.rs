@@ -6,7 +6,7 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde::Serialize;
 
-use crate::replay::{RequestResult, Summary};
+use kvroute_sim::replay::{RequestResult, Summary};
 
 /// Engine-side counters of one policy's run, per engine (from the engines themselves, so they
 /// hold whatever a peer router does to response headers).

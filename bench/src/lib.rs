@@ -1,0 +1,13 @@
+//! kvroute-bench: the system benchmarks, which need every other part at once.
+//!
+//! - [`routing`]: the routing comparison (round-robin, least-request, kvroute, oracle and the
+//!   PyPI peers) on one Mooncake trace and a fleet of simulated engines, with a real collector.
+//! - [`collector`]: the collector's ingest, `/query` and memory figures, with NVIDIA Dynamo's
+//!   indexer side by side; [`loadgen`] is its HTTP load generator, [`dynamo`] runs the peer.
+//!
+//! The engine side of both is `kvroute-sim`; nothing here is used in production.
+
+pub mod collector;
+pub mod dynamo;
+pub mod loadgen;
+pub mod routing;

@@ -1,0 +1,48 @@
+//! `kvroute-bench`: `routing` (the routing comparison, see `bench/scripts/bench-routing.sh`)
+//! and `collector` (the collector benchmarks, see `bench/scripts/bench-collector.sh`).
+//! `--help` on each describes its flags.
+
+use clap::{Parser, Subcommand};
+use kvroute_bench::{collector, routing};
+
+#[derive(Parser)]
+#[command(name = "kvroute-bench", version, about = "kvroute's system benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Compare routing policies on one trace and one simulated fleet.
+    Routing(routing::BenchArgs),
+    /// The collector's ingest, /query and memory benchmarks (markdown report on stdout).
+    Collector(collector::CollectorArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Routing(a) => {
+            init_tracing();
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?
+                .block_on(routing::main(a))
+        }
+        // Builds its own runtimes, sized per phase; its progress goes to stderr unformatted.
+        Cmd::Collector(a) => {
+            collector::run(a);
+            Ok(())
+        }
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("kvroute_sim=info,kvroute_bench=info")
+    });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -1,0 +1,7 @@
+//! Integration tests of kvroute-bench, one binary: where the simulator's engine side meets the
+//! collector.
+
+// The simulated engines' ZMQ event streams decoded by the collector's decoder, and replay.
+mod events;
+// The routing bench's KV-aware policies against a real collector and the oracle.
+mod routing;

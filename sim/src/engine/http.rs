@@ -1,0 +1,401 @@
+//! The engine's HTTP API: OpenAI-style `/v1/completions`, SGLang-style `/generate`,
+//! `/tokenize`, `/v1/models`, `/health`, `/metrics` and `/reset_prefix_cache`. A child of
+//! [`super`] so the handlers reach the engine's private state without widening it.
+
+use super::*;
+
+impl Engine {
+    /// The HTTP API (no sockets inside).
+    pub fn app(&self) -> Router {
+        Router::new()
+            .route("/v1/completions", post(completions))
+            .route("/generate", post(generate))
+            .route("/tokenize", post(tokenize))
+            .route("/v1/models", get(models))
+            .route("/health", get(|| async { StatusCode::OK }))
+            .route("/metrics", get(metrics))
+            .route("/reset_prefix_cache", post(reset_prefix_cache))
+            .with_state(self.clone())
+    }
+}
+
+/// A prompt as OpenAI completions accept it: text, token ids, or a one-element batch of either.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+    TextBatch(Vec<String>),
+    IdsBatch(Vec<Vec<u32>>),
+}
+
+impl Prompt {
+    fn into_tokens(self) -> Result<Vec<u32>, EngineError> {
+        match self {
+            Prompt::Text(t) => Ok(tokenizer::encode(&t)),
+            Prompt::Ids(ids) => Ok(ids),
+            Prompt::TextBatch(mut v) if v.len() == 1 => Ok(tokenizer::encode(&v.remove(0))),
+            Prompt::IdsBatch(mut v) if v.len() == 1 => Ok(v.remove(0)),
+            _ => Err(EngineError::BadRequest(
+                "batched prompts are not supported".into(),
+            )),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct CompletionRequest {
+    #[serde(default)]
+    model: Option<String>,
+    prompt: Prompt,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+    #[serde(default)]
+    stream: bool,
+}
+
+#[derive(Deserialize)]
+struct GenerateRequest {
+    #[serde(default)]
+    input_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    sampling_params: Option<SamplingParams>,
+    #[serde(default)]
+    stream: bool,
+}
+
+#[derive(Deserialize, Default)]
+struct SamplingParams {
+    #[serde(default)]
+    max_new_tokens: Option<usize>,
+}
+
+#[derive(Deserialize)]
+struct TokenizeRequest {
+    #[serde(default)]
+    prompt: Option<String>,
+}
+
+fn requested_rank(headers: &HeaderMap) -> Option<u32> {
+    headers
+        .get(HEADER_REQUEST_DP_RANK)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.trim().parse().ok())
+}
+
+fn output_token(id: u64, i: usize) -> u32 {
+    ((id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9) >> 40)
+        as u32
+        % tokenizer::VOCAB_SIZE
+}
+
+fn sim_headers(engine: &Engine, run: &Running, resp: &mut Response) {
+    let h = resp.headers_mut();
+    h.insert(
+        HEADER_CACHED_TOKENS,
+        HeaderValue::from(run.cached_tokens as u64),
+    );
+    if let Ok(v) = HeaderValue::from_str(&engine.inner.cfg.name) {
+        h.insert(HEADER_ENGINE, v);
+    }
+    h.insert(HEADER_DP_RANK, HeaderValue::from(run.rank));
+    h.insert(
+        HEADER_MODEL_TTFT_US,
+        HeaderValue::from(run.model_ttft().as_micros() as u64),
+    );
+}
+
+/// Streams `chunk(i, tokens)` SSE events: the first at `first_token_at`, then one per
+/// `stream_interval_tokens` tokens, then `data: [DONE]`. The `Running` handle lives in the
+/// stream, so the blocks are freed when it ends or the client goes away.
+fn sse_stream<F>(engine: Engine, run: Running, chunk: F) -> Body
+where
+    F: Fn(usize, &[u32], bool) -> Value + Send + 'static,
+{
+    let interval = engine.inner.cfg.stream_interval_tokens.max(1);
+    let id = engine.next_id();
+    let total = run.output_tokens;
+    let step = run.token_interval();
+    let first_at = run.first_token_at;
+    struct St<F> {
+        run: Option<Running>,
+        sent: usize,
+        chunk: F,
+        done: bool,
+    }
+    let st = St {
+        run: Some(run),
+        sent: 0,
+        chunk,
+        done: false,
+    };
+    let stream = futures_util::stream::unfold(st, move |mut st| async move {
+        if st.done {
+            return None;
+        }
+        if st.sent >= total {
+            st.done = true;
+            st.run.take();
+            return Some((
+                Ok::<_, Infallible>(Bytes::from_static(b"data: [DONE]\n\n")),
+                st,
+            ));
+        }
+        let n = if st.sent == 0 {
+            1
+        } else {
+            interval.min(total - st.sent)
+        };
+        let due = first_at + step * (st.sent + n - 1) as u32;
+        tokio::time::sleep_until(due.into()).await;
+        let toks: Vec<u32> = (st.sent..st.sent + n)
+            .map(|i| output_token(id, i))
+            .collect();
+        st.sent += n;
+        let last = st.sent >= total;
+        let v = (st.chunk)(st.sent, &toks, last);
+        let mut line = Vec::with_capacity(64);
+        line.extend_from_slice(b"data: ");
+        line.extend_from_slice(v.to_string().as_bytes());
+        line.extend_from_slice(b"\n\n");
+        Some((Ok(Bytes::from(line)), st))
+    });
+    Body::from_stream(stream)
+}
+
+/// Waits for every token of a non-streaming request.
+async fn run_to_end(run: &Running) -> Vec<u32> {
+    let due =
+        run.first_token_at + run.token_interval() * (run.output_tokens.saturating_sub(1)) as u32;
+    tokio::time::sleep_until(due.into()).await;
+    let id = run.request.0;
+    (0..run.output_tokens)
+        .map(|i| output_token(id, i))
+        .collect()
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+async fn completions(
+    State(engine): State<Engine>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, EngineError> {
+    let req: CompletionRequest =
+        serde_json::from_slice(&body).map_err(|e| EngineError::BadRequest(e.to_string()))?;
+    let prompt = req.prompt.into_tokens()?;
+    let prompt_len = prompt.len();
+    let model = req.model.unwrap_or_else(|| engine.inner.cfg.model.clone());
+    let run = engine
+        .submit(
+            prompt,
+            req.max_tokens.unwrap_or(16),
+            requested_rank(&headers),
+        )
+        .await?;
+    let id = format!("cmpl-{}-{}", engine.inner.cfg.name, engine.next_id());
+    let created = now_secs();
+    let cached = run.cached_tokens;
+    let fingerprint = engine.inner.cfg.name.clone();
+    if req.stream {
+        let mut resp = Response::new(Body::empty());
+        sim_headers(&engine, &run, &mut resp);
+        let out_total = run.output_tokens;
+        let body = sse_stream(engine.clone(), run, move |_sent, toks, last| {
+            json!({
+                "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": fingerprint,
+                "choices": [{"index": 0, "text": format!(" {}", tokenizer::decode(toks)), "logprobs": null,
+                             "finish_reason": if last { Value::from("length") } else { Value::Null }}],
+                "usage": if last { json!({"prompt_tokens": prompt_len, "completion_tokens": out_total,
+                    "total_tokens": prompt_len + out_total, "prompt_tokens_details": {"cached_tokens": cached}}) } else { Value::Null },
+            })
+        });
+        *resp.body_mut() = body;
+        resp.headers_mut().insert(
+            "content-type",
+            HeaderValue::from_static("text/event-stream"),
+        );
+        resp.headers_mut()
+            .insert("cache-control", HeaderValue::from_static("no-cache"));
+        return Ok(resp);
+    }
+    let toks = run_to_end(&run).await;
+    let out = toks.len();
+    let mut resp = Json(json!({
+        "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": fingerprint,
+        "choices": [{"index": 0, "text": format!(" {}", tokenizer::decode(&toks)), "logprobs": null, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": prompt_len, "completion_tokens": out, "total_tokens": prompt_len + out,
+                  "prompt_tokens_details": {"cached_tokens": cached}},
+    }))
+    .into_response();
+    sim_headers(&engine, &run, &mut resp);
+    Ok(resp)
+}
+
+async fn generate(
+    State(engine): State<Engine>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, EngineError> {
+    let req: GenerateRequest =
+        serde_json::from_slice(&body).map_err(|e| EngineError::BadRequest(e.to_string()))?;
+    let prompt = match (req.input_ids, req.text) {
+        (Some(ids), _) => ids,
+        (None, Some(text)) => tokenizer::encode(&text),
+        (None, None) => return Err(EngineError::BadRequest("input_ids or text required".into())),
+    };
+    let prompt_len = prompt.len();
+    let max_new = req
+        .sampling_params
+        .unwrap_or_default()
+        .max_new_tokens
+        .unwrap_or(128);
+    let run = engine
+        .submit(prompt, max_new, requested_rank(&headers))
+        .await?;
+    let rid = format!("{}-{}", engine.inner.cfg.name, engine.next_id());
+    let engine_name = engine.inner.cfg.name.clone();
+    let cached = run.cached_tokens;
+    if req.stream {
+        let mut resp = Response::new(Body::empty());
+        sim_headers(&engine, &run, &mut resp);
+        let body = sse_stream(engine.clone(), run, move |sent, toks, last| {
+            json!({
+                "text": format!(" {}", tokenizer::decode(toks)), "output_ids": toks,
+                "meta_info": {"id": rid, "prompt_tokens": prompt_len, "completion_tokens": sent, "cached_tokens": cached, "engine": engine_name,
+                              "finish_reason": if last { json!({"type": "length", "length": sent}) } else { Value::Null }},
+            })
+        });
+        *resp.body_mut() = body;
+        resp.headers_mut().insert(
+            "content-type",
+            HeaderValue::from_static("text/event-stream"),
+        );
+        return Ok(resp);
+    }
+    let toks = run_to_end(&run).await;
+    let n = toks.len();
+    let mut resp = Json(json!({
+        "text": format!(" {}", tokenizer::decode(&toks)), "output_ids": toks,
+        "meta_info": {"id": rid, "prompt_tokens": prompt_len, "completion_tokens": n, "cached_tokens": cached,
+                      "finish_reason": {"type": "length", "length": n}},
+    }))
+    .into_response();
+    sim_headers(&engine, &run, &mut resp);
+    Ok(resp)
+}
+
+async fn tokenize(State(engine): State<Engine>, body: Bytes) -> Result<Response, EngineError> {
+    let req: TokenizeRequest =
+        serde_json::from_slice(&body).map_err(|e| EngineError::BadRequest(e.to_string()))?;
+    let tokens = tokenizer::encode(req.prompt.as_deref().unwrap_or(""));
+    Ok(Json(json!({"count": tokens.len(), "max_model_len": engine.inner.cfg.max_model_len, "tokens": tokens, "token_strs": null}))
+        .into_response())
+}
+
+async fn models(State(engine): State<Engine>) -> Json<Value> {
+    let cfg = &engine.inner.cfg;
+    Json(
+        json!({"object": "list", "data": [{"id": cfg.model, "object": "model", "created": now_secs(),
+        "owned_by": "kvroute-sim", "root": cfg.model, "parent": null, "max_model_len": cfg.max_model_len}]}),
+    )
+}
+
+async fn reset_prefix_cache(State(engine): State<Engine>) -> StatusCode {
+    if engine.reset_prefix_cache() {
+        StatusCode::OK
+    } else {
+        StatusCode::CONFLICT
+    }
+}
+
+/// Prometheus text in vLLM's metric names, one series per dp rank (`engine` label).
+fn render_metrics(engine: &Engine) -> String {
+    use std::fmt::Write;
+    let cfg = &engine.inner.cfg;
+    let stats: Vec<RankStats> = (0..engine.dp_size()).map(|r| engine.stats(r)).collect();
+    let mut out = String::new();
+    let mut family = |name: &str, kind: &str, help: &str, value: &dyn Fn(&RankStats) -> String| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (r, s) in stats.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "{name}{{engine=\"{r}\",model_name=\"{}\"}} {}",
+                cfg.model,
+                value(s)
+            );
+        }
+    };
+    family(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        &|s| s.running.to_string(),
+    );
+    family(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        &|s| s.waiting.to_string(),
+    );
+    family(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        &|s| format!("{:.6}", s.kv_usage),
+    );
+    family(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        &|s| s.prefix_queries_tokens.to_string(),
+    );
+    family(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        &|s| s.prefix_hits_tokens.to_string(),
+    );
+    family(
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        &|s| s.prompt_tokens.to_string(),
+    );
+    family(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        &|s| s.generation_tokens.to_string(),
+    );
+    family(
+        "vllm:request_success_total",
+        "counter",
+        "Count of successfully processed requests.",
+        &|s| s.requests_finished.to_string(),
+    );
+    family(
+        "kvroute_sim:cached_blocks",
+        "gauge",
+        "Blocks in the prefix cache.",
+        &|s| s.cached_blocks.to_string(),
+    );
+    out
+}
+
+async fn metrics(State(engine): State<Engine>) -> Response {
+    let mut resp = render_metrics(&engine).into_response();
+    resp.headers_mut().insert(
+        "content-type",
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    resp
+}
