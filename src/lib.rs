@@ -15,12 +15,16 @@
 //!    destination header.
 
 pub mod api;
-pub mod bucket;
+pub mod codec;
 pub mod event;
 pub mod feed;
 pub mod hash;
 pub mod index;
 pub mod intake;
 pub mod lookup;
+pub mod mirror;
 pub mod scope;
 pub mod select;
+
+/// The mirror's former name, kept so code written against `kvroute::bucket` still builds.
+pub use mirror as bucket;

@@ -49,19 +49,17 @@ impl TierMask {
 }
 
 /// Who holds one block: the view the walk reads.
-pub trait HolderView {
+///
+/// `K` is what names a block: a [`BlockKey`] for the collector's index, a depth into one
+/// prompt for the filter's lazily hashed view.
+pub trait HolderView<K: Copy = BlockKey> {
     /// Appends every worker holding `key`, with the tiers it holds it in, to `out`.
-    fn holders(&self, key: BlockKey, out: &mut Vec<(WorkerId, TierMask)>);
+    fn holders(&self, key: K, out: &mut Vec<(WorkerId, TierMask)>);
 
     /// Like [`HolderView::holders`], but only the holders among `workers` are needed (others
     /// may be appended too: the walk ignores them). A view that can look workers up faster
     /// than it lists a block's holders overrides this.
-    fn holders_among(
-        &self,
-        key: BlockKey,
-        workers: &[WorkerId],
-        out: &mut Vec<(WorkerId, TierMask)>,
-    ) {
+    fn holders_among(&self, key: K, workers: &[WorkerId], out: &mut Vec<(WorkerId, TierMask)>) {
         let _ = workers;
         self.holders(key, out);
     }
@@ -90,9 +88,9 @@ pub struct WalkStats {
 
 /// Finds every worker's longest prefix match of `keys` (a query's block keys, in order).
 /// Workers holding none of the first block are not reported. Results are sorted by worker.
-pub fn longest_matches(
-    view: &impl HolderView,
-    keys: &[BlockKey],
+pub fn longest_matches<K: Copy>(
+    view: &impl HolderView<K>,
+    keys: &[K],
     stats: &mut WalkStats,
 ) -> Vec<WorkerMatch> {
     let mut matches: Vec<WorkerMatch> = Vec::new();
@@ -171,9 +169,9 @@ fn holds_at(mask: TierMask, class: Tier) -> bool {
     mask.best().is_some_and(|best| best <= class)
 }
 
-struct Walk<'a, V> {
+struct Walk<'a, V, K> {
     view: &'a V,
-    keys: &'a [BlockKey],
+    keys: &'a [K],
     matches: &'a mut Vec<WorkerMatch>,
     /// Worker id → index in `matches` (`u32::MAX`: not a candidate).
     slot_of: Vec<u32>,
@@ -185,7 +183,7 @@ struct Walk<'a, V> {
     stats: &'a mut WalkStats,
 }
 
-impl<V: HolderView> Walk<'_, V> {
+impl<K: Copy, V: HolderView<K>> Walk<'_, V, K> {
     /// Every candidate is known to hold depth `lo - 1`; finds which of `lo..=hi` they hold.
     fn bisect(&mut self, lo: usize, hi: usize, candidates: &mut [Candidate]) {
         if candidates.is_empty() || lo > hi {

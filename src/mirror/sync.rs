@@ -1,0 +1,419 @@
+//! The sync state and the lease: which VM pulls the feed, which generation readers use, and
+//! how one feed page is applied to shared data ([`apply_page`]).
+
+use crate::codec::{le_u64, Reader};
+use crate::event::Tier;
+use crate::feed::{Op, Page};
+
+use super::buckets::{BucketRef, BucketRows};
+use super::keys::{bucket_of, Keys, Limits, CAS_RETRIES, LAYOUT_VERSION};
+use super::meta::{ApplyStats, Meta};
+use super::store::{Store, StoreError};
+
+/// A full resync in progress, built into the inactive generation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Build {
+    pub gen: u8,
+    pub stamp: u32,
+    pub epoch: u64,
+    pub cursor: u64,
+}
+
+/// What `{prefix}/active` holds.
+///
+/// # Layout
+///
+/// ```text
+/// version u8, flags u8 (bit 0 has_index, bit 1 building, bit 2 cursor valid)
+/// gen u8, stamp u32, meta_version u32, next_stamp u32, epoch u64, cursor u64, synced_at_ms u64
+/// build: gen u8, stamp u32, epoch u64, cursor u64
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SyncState {
+    /// An index has been switched in at least once.
+    pub has_index: bool,
+    /// The generation readers use.
+    pub gen: u8,
+    pub stamp: u32,
+    /// Bumped whenever the active generation's [`Meta`] changes, so readers re-read it.
+    pub meta_version: u32,
+    /// The next build stamp to hand out (stamps never repeat).
+    pub next_stamp: u32,
+    /// Feed epoch and cursor of the active generation; `cursor_valid == false` asks for a
+    /// full snapshot.
+    pub epoch: u64,
+    pub cursor: u64,
+    pub cursor_valid: bool,
+    /// When the active generation last caught up with the collector (host clock, ms).
+    pub synced_at_ms: u64,
+    pub build: Option<Build>,
+}
+
+impl SyncState {
+    pub fn decode(b: &[u8]) -> Option<SyncState> {
+        let mut r = Reader::new(b);
+        if r.u8().ok()? != LAYOUT_VERSION {
+            return None;
+        }
+        let flags = r.u8().ok()?;
+        let mut s = SyncState {
+            has_index: flags & 1 != 0,
+            cursor_valid: flags & 4 != 0,
+            gen: r.u8().ok()? & 1,
+            stamp: r.u32().ok()?,
+            meta_version: r.u32().ok()?,
+            next_stamp: r.u32().ok()?,
+            epoch: r.u64().ok()?,
+            cursor: r.u64().ok()?,
+            synced_at_ms: r.u64().ok()?,
+            build: None,
+        };
+        let build = Build {
+            gen: r.u8().ok()? & 1,
+            stamp: r.u32().ok()?,
+            epoch: r.u64().ok()?,
+            cursor: r.u64().ok()?,
+        };
+        if flags & 2 != 0 {
+            s.build = Some(build);
+        }
+        Some(s)
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64);
+        out.push(LAYOUT_VERSION);
+        out.push(
+            self.has_index as u8
+                | (self.build.is_some() as u8) << 1
+                | (self.cursor_valid as u8) << 2,
+        );
+        out.push(self.gen);
+        out.extend_from_slice(&self.stamp.to_le_bytes());
+        out.extend_from_slice(&self.meta_version.to_le_bytes());
+        out.extend_from_slice(&self.next_stamp.to_le_bytes());
+        out.extend_from_slice(&self.epoch.to_le_bytes());
+        out.extend_from_slice(&self.cursor.to_le_bytes());
+        out.extend_from_slice(&self.synced_at_ms.to_le_bytes());
+        let b = self.build.unwrap_or_default();
+        out.push(b.gen);
+        out.extend_from_slice(&b.stamp.to_le_bytes());
+        out.extend_from_slice(&b.epoch.to_le_bytes());
+        out.extend_from_slice(&b.cursor.to_le_bytes());
+        out
+    }
+
+    /// The query string of the next `/v1/feed` pull (`?epoch=E&since=C`, or empty to ask for
+    /// a full snapshot).
+    pub fn feed_query(&self) -> String {
+        match self.build {
+            Some(b) => format!("?epoch={}&since={}", b.epoch, b.cursor),
+            None if self.has_index && self.cursor_valid => {
+                format!("?epoch={}&since={}", self.epoch, self.cursor)
+            }
+            None => String::new(),
+        }
+    }
+
+    /// Whether the active index is too old to route on.
+    pub fn is_stale(&self, now_ms: u64, stale_after_ms: u64) -> bool {
+        !self.has_index || now_ms.saturating_sub(self.synced_at_ms) > stale_after_ms
+    }
+}
+
+/// The sync lease.
+///
+/// # Layout
+/// `version u8, holder u64, expires_ms u64`
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Lease {
+    pub holder: u64,
+    pub expires_ms: u64,
+}
+
+impl Lease {
+    pub fn decode(b: &[u8]) -> Option<Lease> {
+        let mut r = Reader::new(b);
+        if r.u8().ok()? != LAYOUT_VERSION {
+            return None;
+        }
+        Some(Lease {
+            holder: r.u64().ok()?,
+            expires_ms: r.u64().ok()?,
+        })
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = vec![LAYOUT_VERSION];
+        out.extend_from_slice(&self.holder.to_le_bytes());
+        out.extend_from_slice(&self.expires_ms.to_le_bytes());
+        out
+    }
+}
+
+/// Takes or renews the lease for VM `me` until `now_ms + duration_ms`: succeeds when the lease
+/// is free, lapsed or already `me`'s, and the CAS write wins.
+///
+/// # Errors
+/// A host failure; a lost race is `Ok(false)`.
+pub fn acquire_lease<S: Store>(
+    store: &S,
+    keys: &Keys,
+    me: u64,
+    now_ms: u64,
+    duration_ms: u64,
+) -> Result<bool, StoreError> {
+    let key = keys.lease();
+    let (value, cas) = store.get(&key)?;
+    let current = value.as_deref().and_then(Lease::decode);
+    if let Some(l) = current {
+        if l.holder != me && l.expires_ms > now_ms {
+            return Ok(false);
+        }
+    }
+    let lease = Lease {
+        holder: me,
+        expires_ms: now_ms.saturating_add(duration_ms),
+    };
+    // With no key yet, cas is 0 and the write is unconditional: two VMs may both "win" that
+    // first race, and the next renewal (a CAS) settles it.
+    match store.set(&key, &lease.encode(), cas) {
+        Ok(()) => Ok(true),
+        Err(StoreError::CasMismatch) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Hands out a unique VM id from the shared counter.
+///
+/// # Errors
+/// A host failure, or [`StoreError::CasMismatch`] after [`CAS_RETRIES`] lost races.
+pub fn next_vm_id<S: Store>(store: &S, keys: &Keys) -> Result<u64, StoreError> {
+    let key = keys.vm_seq();
+    for _ in 0..CAS_RETRIES {
+        let (value, cas) = store.get(&key)?;
+        let n = value.as_deref().map(|v| le_u64(v, 0)).unwrap_or(0) + 1;
+        match store.set(&key, &n.to_le_bytes(), cas) {
+            Ok(()) => return Ok(n),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(StoreError::CasMismatch)
+}
+
+/// Reads the sync state (default when missing or unreadable) and its CAS token.
+///
+/// # Errors
+/// A host failure.
+pub fn read_state<S: Store>(store: &S, keys: &Keys) -> Result<(SyncState, u32), StoreError> {
+    let (value, cas) = store.get(&keys.active())?;
+    Ok((
+        value
+            .as_deref()
+            .and_then(SyncState::decode)
+            .unwrap_or_default(),
+        cas,
+    ))
+}
+
+/// Why a page was not applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SyncError {
+    /// A delta page of an epoch other than the one being followed: the cursor is dropped so
+    /// the next pull asks for a full snapshot.
+    #[error("delta page of epoch {got}, following {want}")]
+    EpochMismatch { got: u64, want: u64 },
+    /// A delta page before any snapshot.
+    #[error("delta page with no index to apply it to")]
+    NoBase,
+    /// Shared data failed.
+    #[error("shared data: {0}")]
+    Store(#[from] StoreError),
+}
+
+/// What applying a page did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    pub stats: ApplyStats,
+    /// A full resync was switched in by this page.
+    pub switched: bool,
+    /// The page asked for another pull at once.
+    pub more: bool,
+}
+
+/// Applies one feed page to shared data: the lease holder's whole job.
+///
+/// A `RESET` page starts a new build in the inactive generation; pages of a build go there
+/// until one without `MORE` switches it in. Delta pages go to the active generation. The
+/// ops of a page are grouped by bucket, so each touched bucket is read and written once.
+///
+/// # Errors
+/// [`SyncError`]; on an epoch mismatch the state is already reset for a snapshot.
+pub fn apply_page<S: Store>(
+    store: &S,
+    keys: &Keys,
+    limits: &Limits,
+    page: &Page,
+    now_ms: u64,
+) -> Result<Applied, SyncError> {
+    let (mut state, cas) = read_state(store, keys)?;
+    let mut out = Applied {
+        more: page.has_more(),
+        ..Applied::default()
+    };
+    let (gen, stamp) = if page.is_reset() {
+        let gen = if state.has_index { state.gen ^ 1 } else { 0 };
+        let stamp = state.next_stamp.max(state.stamp).wrapping_add(1).max(1);
+        state.next_stamp = stamp;
+        state.build = Some(Build {
+            gen,
+            stamp,
+            epoch: page.epoch,
+            cursor: page.cursor,
+        });
+        (gen, stamp)
+    } else if let Some(b) = state.build {
+        if b.epoch != page.epoch {
+            state.build = None;
+            state.cursor_valid = false;
+            write_state(store, keys, &state, cas)?;
+            return Err(SyncError::EpochMismatch {
+                got: page.epoch,
+                want: b.epoch,
+            });
+        }
+        (b.gen, b.stamp)
+    } else if state.has_index && state.cursor_valid {
+        if state.epoch != page.epoch {
+            state.cursor_valid = false;
+            write_state(store, keys, &state, cas)?;
+            return Err(SyncError::EpochMismatch {
+                got: page.epoch,
+                want: state.epoch,
+            });
+        }
+        (state.gen, state.stamp)
+    } else {
+        return Err(SyncError::NoBase);
+    };
+
+    // Meta ops.
+    let meta_key = keys.meta(gen);
+    let mut meta = if page.is_reset() {
+        Meta::default()
+    } else {
+        store
+            .get(&meta_key)?
+            .0
+            .as_deref()
+            .and_then(|b| Meta::decode(b, stamp))
+            .unwrap_or_default()
+    };
+    let mut meta_changed = page.is_reset();
+    for op in &page.ops {
+        meta_changed |= meta.apply(op, limits, &mut out.stats);
+    }
+
+    // Block ops, grouped by bucket (a stable sort keeps each bucket's ops in page order).
+    let mut ops: Vec<(u32, u64, u16, Tier, bool)> = Vec::new();
+    for op in &page.ops {
+        if let Op::Blocks {
+            worker,
+            tier,
+            added,
+            keys: bkeys,
+        } = op
+        {
+            if worker.0 >= limits.max_workers {
+                out.stats.bad_workers += 1;
+                continue;
+            }
+            for k in bkeys {
+                ops.push((
+                    bucket_of(*k, limits.buckets_log2),
+                    k.0,
+                    worker.0 as u16,
+                    *tier,
+                    *added,
+                ));
+            }
+        }
+    }
+    ops.sort_by_key(|o| o.0);
+    let mut key_buf = String::new();
+    let mut val_buf = Vec::new();
+    let mut i = 0;
+    while i < ops.len() {
+        let b = ops[i].0;
+        keys.bucket_into(gen, b, &mut key_buf);
+        let current = store.get(&key_buf)?.0;
+        let mut rows =
+            BucketRows::from_ref(current.as_deref().and_then(|v| BucketRef::parse(v, stamp)));
+        while i < ops.len() && ops[i].0 == b {
+            let (_, key, slot, tier, added) = ops[i];
+            if added {
+                if !rows.add(key, slot, tier, limits.max_bucket_keys) {
+                    out.stats.bucket_full += 1;
+                }
+            } else {
+                rows.remove(key, slot, tier);
+            }
+            out.stats.blocks += 1;
+            i += 1;
+        }
+        rows.encode(stamp, &mut val_buf);
+        store.set(&key_buf, &val_buf, 0)?;
+        out.stats.bucket_writes += 1;
+    }
+    // The feed removes a worker's blocks before its WorkerGone: no sweep of the buckets here.
+
+    if meta_changed {
+        store.set(&meta_key, &meta.encode(stamp), 0)?;
+    }
+
+    match state.build {
+        Some(mut b) => {
+            b.cursor = page.cursor;
+            b.epoch = page.epoch;
+            if page.has_more() {
+                state.build = Some(b);
+            } else {
+                // Caught up: switch the build in whole.
+                state.has_index = true;
+                state.gen = b.gen;
+                state.stamp = b.stamp;
+                state.epoch = b.epoch;
+                state.cursor = b.cursor;
+                state.cursor_valid = true;
+                state.meta_version = state.meta_version.wrapping_add(1);
+                state.synced_at_ms = now_ms;
+                state.build = None;
+                out.switched = true;
+            }
+        }
+        None => {
+            state.cursor = page.cursor;
+            if meta_changed {
+                state.meta_version = state.meta_version.wrapping_add(1);
+            }
+            if !page.has_more() {
+                state.synced_at_ms = now_ms;
+            }
+        }
+    }
+    write_state(store, keys, &state, cas)?;
+    Ok(out)
+}
+
+/// Records that the collector answered with nothing new (an empty page is applied the same
+/// way); kept for callers that learn freshness some other way.
+fn write_state<S: Store>(
+    store: &S,
+    keys: &Keys,
+    state: &SyncState,
+    cas: u32,
+) -> Result<(), StoreError> {
+    store.set(&keys.active(), &state.encode(), cas)
+}
