@@ -23,6 +23,7 @@ pub mod index;
 pub mod intake;
 pub mod lookup;
 pub mod mirror;
+pub mod route;
 pub mod scope;
 pub mod select;
 

@@ -5,8 +5,8 @@
 
 use std::fmt;
 
-use kvroute::bucket::Limits;
 use kvroute::intake::FieldKind;
+use kvroute::mirror::Limits;
 use kvroute::select::Weights;
 use serde::Deserialize;
 

@@ -9,7 +9,7 @@
 use std::ptr::null_mut;
 use std::time::Duration;
 
-use kvroute::bucket::{Store, StoreError};
+use kvroute::mirror::{Store, StoreError};
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
 
 const OK: u32 = 0;

@@ -3,8 +3,8 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
-use kvroute::bucket::{self, Keys, SyncError};
 use kvroute::feed::Page;
+use kvroute::mirror::{self, Keys, SyncError};
 use kvroute::select::SplitMix64;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, MapType};
@@ -44,7 +44,7 @@ impl Root {
     fn pull(&mut self, vm: &Vm) {
         let cfg = vm.config();
         let store = HostStore;
-        let query = match bucket::read_state(&store, &vm.keys) {
+        let query = match mirror::read_state(&store, &vm.keys) {
             Ok((s, _)) => s.feed_query(),
             Err(_) => String::new(),
         };
@@ -107,7 +107,7 @@ impl Root {
         host::increment_metric(vm.metrics.feed_pages, 1);
         let cfg = vm.config();
         let now = host::now_ms();
-        match bucket::apply_page(&HostStore, &vm.keys, &cfg.limits, &page, now) {
+        match mirror::apply_page(&HostStore, &vm.keys, &cfg.limits, &page, now) {
             Ok(applied) => {
                 self.blocks_this_tick += applied.stats.blocks;
                 host::increment_metric(vm.metrics.bucket_full, applied.stats.bucket_full as i64);
@@ -136,7 +136,7 @@ impl Root {
     }
 
     fn report_lag(&self, vm: &Vm) {
-        if let Ok((s, _)) = bucket::read_state(&HostStore, &vm.keys) {
+        if let Ok((s, _)) = mirror::read_state(&HostStore, &vm.keys) {
             let lag = if s.has_index {
                 host::now_ms().saturating_sub(s.synced_at_ms)
             } else {
@@ -188,7 +188,7 @@ impl RootContext for Root {
             .unwrap_or_else(|| "kvroute".to_owned());
         let keys = Keys::new(&name);
         let vm_id =
-            bucket::next_vm_id(&HostStore, &keys).unwrap_or_else(|_| host::now_ms() | 1 << 63);
+            mirror::next_vm_id(&HostStore, &keys).unwrap_or_else(|_| host::now_ms() | 1 << 63);
         let seed = plugin
             .global
             .random_seed
@@ -225,7 +225,7 @@ impl RootContext for Root {
             }
             self.in_flight = None;
         }
-        match bucket::acquire_lease(
+        match mirror::acquire_lease(
             &HostStore,
             &vm.keys,
             vm.vm_id.get(),
