@@ -12,7 +12,7 @@ use kvroute::scope::ScopeId;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
-use crate::config::{Config, Matcher, Mode, Source, Sources};
+use crate::config::{millis, Config, Matcher, Mode, Source, Sources};
 use crate::host::{self, HostStore};
 use crate::vm::{Scratch, VmRef};
 use crate::Outcome;
@@ -340,7 +340,7 @@ impl Http {
         let store = HostStore;
         let now = host::now_ms();
         let state = match mirror::read_state(&store, &vm.keys) {
-            Ok((s, _)) if !s.is_stale(now, cfg.stale_after_ms) => s,
+            Ok((s, _)) if !s.is_stale(now, millis(cfg.stale_after)) => s,
             _ => {
                 self.finish(vm, Outcome::StaleIndex);
                 return Action::Continue;
@@ -406,7 +406,7 @@ impl Http {
             return Action::Continue;
         }
         let table = load_table(vm);
-        let ttl = cfg.load_ttl_ms;
+        let ttl = millis(cfg.load_ttl);
         let contenders = cache.roster.contenders(
             &matches,
             tenant,
@@ -493,7 +493,7 @@ impl Http {
             1,
             prefill as i64,
             now,
-            cfg.load_ttl_ms,
+            millis(cfg.load_ttl),
         ) {
             Ok(true) => self.routed = Some((load_id, prefill)),
             _ => host::increment_metric(vm.metrics.load_errors, 1),
@@ -542,7 +542,7 @@ impl Http {
         if let Some(a) = auth.as_deref() {
             headers.push(("authorization", a));
         }
-        match host::http_call(&cfg.cluster, headers, Some(&body), cfg.query_timeout_ms) {
+        match host::http_call(&cfg.cluster, headers, Some(&body), cfg.query_timeout) {
             Some(token) => {
                 self.callout = Some(token);
                 self.phase = Phase::WaitingCallout;
@@ -583,7 +583,7 @@ impl Http {
         };
         let now = host::now_ms();
         let table = load_table(vm);
-        let ttl = cfg.load_ttl_ms;
+        let ttl = millis(cfg.load_ttl);
         let contenders =
             route::remote_contenders(&resp, |id| mirror::load_get(&table, id, now, ttl));
         let only: Vec<route::Contender> = contenders.iter().map(|c| c.0).collect();
@@ -767,7 +767,7 @@ impl HttpContext for Http {
                 -1,
                 -(prefill as i64),
                 now,
-                cfg.load_ttl_ms,
+                millis(cfg.load_ttl),
             )
             .is_err()
             {

@@ -9,7 +9,7 @@ use kvroute::select::SplitMix64;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, MapType};
 
-use crate::config::{self, Mode};
+use crate::config::{self, millis, Mode};
 use crate::host::{self, HostStore};
 use crate::http::Http;
 use crate::vm::{MetaCache, Metrics, Scratch, Vm, VmRef};
@@ -36,8 +36,9 @@ impl Root {
     }
 
     fn lease_ms(cfg: &config::Config) -> u64 {
-        (cfg.sync_interval_ms as u64 * 3)
-            .max(cfg.feed_timeout_ms as u64 + 2 * cfg.sync_interval_ms as u64)
+        let (sync, feed) = (millis(cfg.sync_interval), millis(cfg.feed_timeout));
+        sync.saturating_mul(3)
+            .max(feed.saturating_add(sync.saturating_mul(2)))
     }
 
     /// Pulls the next feed page.
@@ -58,7 +59,7 @@ impl Root {
         if let Some(a) = auth.as_deref() {
             headers.push(("authorization", a));
         }
-        match host::http_call(&cfg.cluster, headers, None, cfg.feed_timeout_ms) {
+        match host::http_call(&cfg.cluster, headers, None, cfg.feed_timeout) {
             Some(token) => self.in_flight = Some((token, host::now_ms())),
             None => {
                 host::increment_metric(vm.metrics.feed_errors, 1);
@@ -194,7 +195,7 @@ impl RootContext for Root {
             .random_seed
             .unwrap_or(vm_id ^ host::now_ms().rotate_left(17));
         let mode = plugin.global.mode;
-        let interval = plugin.global.sync_interval_ms;
+        let interval = plugin.global.sync_interval;
         self.vm = Some(Rc::new(Vm {
             plugin,
             keys,
@@ -219,7 +220,7 @@ impl RootContext for Root {
         if let Some((_, sent)) = self.in_flight {
             // The host answers every callout (a timeout is an answer); this only guards a
             // host that loses one.
-            if now.saturating_sub(sent) <= cfg.feed_timeout_ms as u64 * 2 + 1000 {
+            if now.saturating_sub(sent) <= millis(cfg.feed_timeout).saturating_mul(2) + 1000 {
                 self.report_lag(&vm);
                 return;
             }

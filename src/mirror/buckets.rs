@@ -110,28 +110,48 @@ impl<'a> BucketRef<'a> {
         }
     }
 
-    /// Every `(key, slot, mask)` row, in order.
-    pub fn rows(&self) -> impl Iterator<Item = (u64, u16, u8)> + '_ {
+    /// Every row, in order.
+    pub fn rows(&self) -> impl Iterator<Item = Row> + '_ {
         (0..self.n).flat_map(move |i| {
             let key = self.key_at(i);
             let (s, e) = self.range(i);
             (s..e).filter_map(move |h| {
-                self.holders
-                    .get(h * 3..h * 3 + 3)
-                    .map(|b| (key, u16::from_le_bytes([b[0], b[1]]), b[2]))
+                self.holders.get(h * 3..h * 3 + 3).map(|b| Row {
+                    key: BlockKey(key),
+                    slot: u16::from_le_bytes([b[0], b[1]]),
+                    tiers: TierMask(b[2]),
+                })
             })
         })
+    }
+}
+
+/// One worker slot's hold of one block key, in a bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Row {
+    /// The block.
+    pub key: BlockKey,
+    /// The worker slot holding it.
+    pub slot: u16,
+    /// The tiers it holds it in.
+    pub tiers: TierMask,
+}
+
+impl Row {
+    fn id(&self) -> (u64, u16) {
+        (self.key.0, self.slot)
     }
 }
 
 /// A bucket being rewritten by the lease holder: one row per `(key, slot)`, sorted.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BucketRows {
-    rows: Vec<(u64, u16, u8)>,
+    rows: Vec<Row>,
     keys: usize,
 }
 
 impl BucketRows {
+    /// The rows of a parsed bucket (none for a missing one).
     pub fn from_ref(b: Option<BucketRef<'_>>) -> BucketRows {
         match b {
             Some(b) => BucketRows {
@@ -147,29 +167,38 @@ impl BucketRows {
         self.keys
     }
 
-    pub fn rows(&self) -> &[(u64, u16, u8)] {
+    /// The rows, sorted by key, then slot.
+    pub fn rows(&self) -> &[Row] {
         &self.rows
     }
 
     /// Adds tier `tier` to `slot`'s hold of `key`. Returns `false` (and changes nothing) when
     /// the key is new and the bucket already has `max_keys` keys, or the holder area is full.
-    pub fn add(&mut self, key: u64, slot: u16, tier: Tier, max_keys: u16) -> bool {
+    pub fn add(&mut self, key: BlockKey, slot: u16, tier: Tier, max_keys: u16) -> bool {
         let bit = TierMask::of(tier).0;
-        match self.rows.binary_search_by(|r| (r.0, r.1).cmp(&(key, slot))) {
+        let key = key.0;
+        match self.rows.binary_search_by(|r| r.id().cmp(&(key, slot))) {
             Ok(i) => {
-                self.rows[i].2 |= bit;
+                self.rows[i].tiers.0 |= bit;
                 true
             }
             Err(i) => {
-                let has_key = (i > 0 && self.rows[i - 1].0 == key)
-                    || (i < self.rows.len() && self.rows[i].0 == key);
+                let has_key = (i > 0 && self.rows[i - 1].key.0 == key)
+                    || (i < self.rows.len() && self.rows[i].key.0 == key);
                 let new_key = !has_key;
                 if (new_key && self.keys >= max_keys as usize)
                     || self.rows.len() >= u16::MAX as usize
                 {
                     return false;
                 }
-                self.rows.insert(i, (key, slot, bit));
+                self.rows.insert(
+                    i,
+                    Row {
+                        key: BlockKey(key),
+                        slot,
+                        tiers: TierMask(bit),
+                    },
+                );
                 if new_key {
                     self.keys += 1;
                 }
@@ -179,13 +208,14 @@ impl BucketRows {
     }
 
     /// Removes tier `tier` from `slot`'s hold of `key`; a hold left with no tier goes.
-    pub fn remove(&mut self, key: u64, slot: u16, tier: Tier) {
-        if let Ok(i) = self.rows.binary_search_by(|r| (r.0, r.1).cmp(&(key, slot))) {
-            self.rows[i].2 &= !TierMask::of(tier).0;
-            if self.rows[i].2 & 0b111 == 0 {
+    pub fn remove(&mut self, key: BlockKey, slot: u16, tier: Tier) {
+        let key = key.0;
+        if let Ok(i) = self.rows.binary_search_by(|r| r.id().cmp(&(key, slot))) {
+            self.rows[i].tiers = self.rows[i].tiers.without(tier);
+            if self.rows[i].tiers.is_empty() {
                 self.rows.remove(i);
-                let still = (i > 0 && self.rows[i - 1].0 == key)
-                    || (i < self.rows.len() && self.rows[i].0 == key);
+                let still = (i > 0 && self.rows[i - 1].key.0 == key)
+                    || (i < self.rows.len() && self.rows[i].key.0 == key);
                 if !still {
                     self.keys -= 1;
                 }
@@ -195,7 +225,7 @@ impl BucketRows {
 
     /// Drops every hold of `slot` (its worker went away).
     pub fn remove_slot(&mut self, slot: u16) {
-        self.rows.retain(|r| r.1 != slot);
+        self.rows.retain(|r| r.slot != slot);
         self.recount();
     }
 
@@ -203,9 +233,9 @@ impl BucketRows {
         let mut n = 0;
         let mut last = None;
         for r in &self.rows {
-            if last != Some(r.0) {
+            if last != Some(r.key) {
                 n += 1;
-                last = Some(r.0);
+                last = Some(r.key);
             }
         }
         self.keys = n;
@@ -219,19 +249,19 @@ impl BucketRows {
         out.extend_from_slice(&(self.keys as u16).to_le_bytes());
         let mut last = None;
         for r in &self.rows {
-            if last != Some(r.0) {
-                out.extend_from_slice(&r.0.to_le_bytes());
-                last = Some(r.0);
+            if last != Some(r.key) {
+                out.extend_from_slice(&r.key.0.to_le_bytes());
+                last = Some(r.key);
             }
         }
         for (i, r) in self.rows.iter().enumerate() {
-            if self.rows.get(i + 1).is_none_or(|n| n.0 != r.0) {
+            if self.rows.get(i + 1).is_none_or(|n| n.key != r.key) {
                 out.extend_from_slice(&((i + 1) as u16).to_le_bytes());
             }
         }
         for r in &self.rows {
-            out.extend_from_slice(&r.1.to_le_bytes());
-            out.push(r.2);
+            out.extend_from_slice(&r.slot.to_le_bytes());
+            out.push(r.tiers.0);
         }
     }
 }

@@ -4,6 +4,7 @@
 use crate::codec::{le_u64, Reader};
 use crate::event::Tier;
 use crate::feed::{Op, Page};
+use crate::scope::BlockKey;
 
 use super::buckets::{BucketRef, BucketRows};
 use super::keys::{bucket_of, Keys, Limits, CAS_RETRIES, LAYOUT_VERSION};
@@ -247,7 +248,8 @@ pub struct Applied {
 ///
 /// A `RESET` page starts a new build in the inactive generation; pages of a build go there
 /// until one without `MORE` switches it in. Delta pages go to the active generation. The
-/// ops of a page are grouped by bucket, so each touched bucket is read and written once.
+/// steps: pick the target generation ([`target`]), apply the meta ops ([`apply_meta`]) and
+/// the block ops ([`apply_blocks`]), then move the cursor and maybe switch ([`advance`]).
 ///
 /// # Errors
 /// [`SyncError`]; on an epoch mismatch the state is already reset for a snapshot.
@@ -263,7 +265,35 @@ pub fn apply_page<S: Store>(
         more: page.has_more(),
         ..Applied::default()
     };
-    let (gen, stamp) = if page.is_reset() {
+    let target = match target(&mut state, page) {
+        Ok(t) => t,
+        Err(e) => {
+            if matches!(e, SyncError::EpochMismatch { .. }) {
+                write_state(store, keys, &state, cas)?;
+            }
+            return Err(e);
+        }
+    };
+    let meta_changed = apply_meta(store, keys, limits, page, target, &mut out.stats)?;
+    apply_blocks(store, keys, limits, page, target, &mut out.stats)?;
+    // The feed removes a worker's blocks before its WorkerGone: no sweep of the buckets here.
+    out.switched = advance(&mut state, page, meta_changed, now_ms);
+    write_state(store, keys, &state, cas)?;
+    Ok(out)
+}
+
+/// Where a page's ops go: a generation and the build stamp its values carry.
+#[derive(Clone, Copy, Debug)]
+struct Target {
+    gen: u8,
+    stamp: u32,
+}
+
+/// Step 1: the generation `page` writes to. A `RESET` starts a build (recorded in `state`);
+/// a delta of another epoch drops the cursor in `state` (the caller writes it back) so the
+/// next pull asks for a snapshot.
+fn target(state: &mut SyncState, page: &Page) -> Result<Target, SyncError> {
+    if page.is_reset() {
         let gen = if state.has_index { state.gen ^ 1 } else { 0 };
         let stamp = state.next_stamp.max(state.stamp).wrapping_add(1).max(1);
         state.next_stamp = stamp;
@@ -273,34 +303,48 @@ pub fn apply_page<S: Store>(
             epoch: page.epoch,
             cursor: page.cursor,
         });
-        (gen, stamp)
+        Ok(Target { gen, stamp })
     } else if let Some(b) = state.build {
         if b.epoch != page.epoch {
             state.build = None;
             state.cursor_valid = false;
-            write_state(store, keys, &state, cas)?;
             return Err(SyncError::EpochMismatch {
                 got: page.epoch,
                 want: b.epoch,
             });
         }
-        (b.gen, b.stamp)
+        Ok(Target {
+            gen: b.gen,
+            stamp: b.stamp,
+        })
     } else if state.has_index && state.cursor_valid {
         if state.epoch != page.epoch {
             state.cursor_valid = false;
-            write_state(store, keys, &state, cas)?;
             return Err(SyncError::EpochMismatch {
                 got: page.epoch,
                 want: state.epoch,
             });
         }
-        (state.gen, state.stamp)
+        Ok(Target {
+            gen: state.gen,
+            stamp: state.stamp,
+        })
     } else {
-        return Err(SyncError::NoBase);
-    };
+        Err(SyncError::NoBase)
+    }
+}
 
-    // Meta ops.
-    let meta_key = keys.meta(gen);
+/// Step 2: the page's worker, block-size and alias ops, into the target's meta (a fresh
+/// one for a `RESET`). Returns whether the meta changed (it is then written).
+fn apply_meta<S: Store>(
+    store: &S,
+    keys: &Keys,
+    limits: &Limits,
+    page: &Page,
+    t: Target,
+    stats: &mut ApplyStats,
+) -> Result<bool, StoreError> {
+    let meta_key = keys.meta(t.gen);
     let mut meta = if page.is_reset() {
         Meta::default()
     } else {
@@ -308,16 +352,40 @@ pub fn apply_page<S: Store>(
             .get(&meta_key)?
             .0
             .as_deref()
-            .and_then(|b| Meta::decode(b, stamp))
+            .and_then(|b| Meta::decode(b, t.stamp))
             .unwrap_or_default()
     };
-    let mut meta_changed = page.is_reset();
+    let mut changed = page.is_reset();
     for op in &page.ops {
-        meta_changed |= meta.apply(op, limits, &mut out.stats);
+        changed |= meta.apply(op, limits, stats);
     }
+    if changed {
+        store.set(&meta_key, &meta.encode(t.stamp), 0)?;
+    }
+    Ok(changed)
+}
 
-    // Block ops, grouped by bucket (a stable sort keeps each bucket's ops in page order).
-    let mut ops: Vec<(u32, u64, u16, Tier, bool)> = Vec::new();
+/// One block hold added or removed, tagged with its bucket.
+#[derive(Clone, Copy, Debug)]
+struct BlockOp {
+    bucket: u32,
+    key: BlockKey,
+    slot: u16,
+    tier: Tier,
+    added: bool,
+}
+
+/// Step 3: the page's block ops, grouped by bucket (a stable sort keeps each bucket's ops
+/// in page order) so each touched bucket is read and written once.
+fn apply_blocks<S: Store>(
+    store: &S,
+    keys: &Keys,
+    limits: &Limits,
+    page: &Page,
+    t: Target,
+    stats: &mut ApplyStats,
+) -> Result<(), StoreError> {
+    let mut ops: Vec<BlockOp> = Vec::new();
     for op in &page.ops {
         if let Op::Blocks {
             worker,
@@ -327,58 +395,57 @@ pub fn apply_page<S: Store>(
         } = op
         {
             if worker.0 >= limits.max_workers {
-                out.stats.bad_workers += 1;
+                stats.bad_workers += 1;
                 continue;
             }
-            for k in bkeys {
-                ops.push((
-                    bucket_of(*k, limits.buckets_log2),
-                    k.0,
-                    worker.0 as u16,
-                    *tier,
-                    *added,
-                ));
-            }
+            ops.extend(bkeys.iter().map(|&key| BlockOp {
+                bucket: bucket_of(key, limits.buckets_log2),
+                key,
+                slot: worker.0 as u16,
+                tier: *tier,
+                added: *added,
+            }));
         }
     }
-    ops.sort_by_key(|o| o.0);
+    ops.sort_by_key(|o| o.bucket);
     let mut key_buf = String::new();
     let mut val_buf = Vec::new();
-    let mut i = 0;
-    while i < ops.len() {
-        let b = ops[i].0;
-        keys.bucket_into(gen, b, &mut key_buf);
+    for group in ops.chunk_by(|a, b| a.bucket == b.bucket) {
+        let Some(first) = group.first() else { continue };
+        keys.bucket_into(t.gen, first.bucket, &mut key_buf);
         let current = store.get(&key_buf)?.0;
-        let mut rows =
-            BucketRows::from_ref(current.as_deref().and_then(|v| BucketRef::parse(v, stamp)));
-        while i < ops.len() && ops[i].0 == b {
-            let (_, key, slot, tier, added) = ops[i];
-            if added {
-                if !rows.add(key, slot, tier, limits.max_bucket_keys) {
-                    out.stats.bucket_full += 1;
+        let mut rows = BucketRows::from_ref(
+            current
+                .as_deref()
+                .and_then(|v| BucketRef::parse(v, t.stamp)),
+        );
+        for op in group {
+            if op.added {
+                if !rows.add(op.key, op.slot, op.tier, limits.max_bucket_keys) {
+                    stats.bucket_full += 1;
                 }
             } else {
-                rows.remove(key, slot, tier);
+                rows.remove(op.key, op.slot, op.tier);
             }
-            out.stats.blocks += 1;
-            i += 1;
+            stats.blocks += 1;
         }
-        rows.encode(stamp, &mut val_buf);
+        rows.encode(t.stamp, &mut val_buf);
         store.set(&key_buf, &val_buf, 0)?;
-        out.stats.bucket_writes += 1;
+        stats.bucket_writes += 1;
     }
-    // The feed removes a worker's blocks before its WorkerGone: no sweep of the buckets here.
+    Ok(())
+}
 
-    if meta_changed {
-        store.set(&meta_key, &meta.encode(stamp), 0)?;
-    }
-
+/// Step 4: the cursor moves to the page's; a build the page completes is switched in whole.
+/// Returns whether it was.
+fn advance(state: &mut SyncState, page: &Page, meta_changed: bool, now_ms: u64) -> bool {
     match state.build {
         Some(mut b) => {
             b.cursor = page.cursor;
             b.epoch = page.epoch;
             if page.has_more() {
                 state.build = Some(b);
+                false
             } else {
                 // Caught up: switch the build in whole.
                 state.has_index = true;
@@ -390,7 +457,7 @@ pub fn apply_page<S: Store>(
                 state.meta_version = state.meta_version.wrapping_add(1);
                 state.synced_at_ms = now_ms;
                 state.build = None;
-                out.switched = true;
+                true
             }
         }
         None => {
@@ -401,14 +468,12 @@ pub fn apply_page<S: Store>(
             if !page.has_more() {
                 state.synced_at_ms = now_ms;
             }
+            false
         }
     }
-    write_state(store, keys, &state, cas)?;
-    Ok(out)
 }
 
-/// Records that the collector answered with nothing new (an empty page is applied the same
-/// way); kept for callers that learn freshness some other way.
+/// Writes the sync state back, if nobody changed it since it was read.
 fn write_state<S: Store>(
     store: &S,
     keys: &Keys,

@@ -59,10 +59,10 @@ fn holders(store: &MemStore, keys: &Keys, l: &Limits, k: u64) -> Vec<(WorkerId, 
 #[test]
 fn bucket_round_trips_and_finds_keys() {
     let mut rows = BucketRows::default();
-    assert!(rows.add(5, 1, Tier::Gpu, 10));
-    assert!(rows.add(5, 0, Tier::Cpu, 10));
-    assert!(rows.add(3, 2, Tier::Disk, 10));
-    assert!(rows.add(5, 1, Tier::Cpu, 10));
+    assert!(rows.add(BlockKey(5), 1, Tier::Gpu, 10));
+    assert!(rows.add(BlockKey(5), 0, Tier::Cpu, 10));
+    assert!(rows.add(BlockKey(3), 2, Tier::Disk, 10));
+    assert!(rows.add(BlockKey(5), 1, Tier::Cpu, 10));
     let mut v = Vec::new();
     rows.encode(7, &mut v);
     assert!(
@@ -81,9 +81,9 @@ fn bucket_round_trips_and_finds_keys() {
     b.holders_into(BlockKey(4), &mut out);
     assert!(out.is_empty());
     assert_eq!(BucketRows::from_ref(Some(b)), rows);
-    rows.remove(5, 1, Tier::Gpu);
-    rows.remove(5, 1, Tier::Cpu);
-    rows.remove(5, 0, Tier::Cpu);
+    rows.remove(BlockKey(5), 1, Tier::Gpu);
+    rows.remove(BlockKey(5), 1, Tier::Cpu);
+    rows.remove(BlockKey(5), 0, Tier::Cpu);
     assert_eq!(rows.keys(), 1);
 }
 
@@ -150,11 +150,11 @@ fn bucket_keys_are_hex() {
 #[test]
 fn full_bucket_drops_new_keys_only() {
     let mut rows = BucketRows::default();
-    assert!(rows.add(1, 0, Tier::Gpu, 2));
-    assert!(rows.add(2, 0, Tier::Gpu, 2));
-    assert!(!rows.add(3, 0, Tier::Gpu, 2));
+    assert!(rows.add(BlockKey(1), 0, Tier::Gpu, 2));
+    assert!(rows.add(BlockKey(2), 0, Tier::Gpu, 2));
+    assert!(!rows.add(BlockKey(3), 0, Tier::Gpu, 2));
     assert!(
-        rows.add(2, 1, Tier::Gpu, 2),
+        rows.add(BlockKey(2), 1, Tier::Gpu, 2),
         "a new holder of a kept key still fits"
     );
 }
