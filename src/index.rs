@@ -1,5 +1,8 @@
 //! The in-memory prefix index the collector keeps: KV events in, longest matches out.
 //!
+//! One concern: the index's data structure (arena, per-worker trees, holder table) and the
+//! operations that must keep its invariants together: apply, cascade, lookup, dump.
+//!
 //! # Layout
 //!
 //! Every (block, worker) hold is one [`Node`] in one arena. A node knows its worker, its scope,

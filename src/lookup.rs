@@ -20,24 +20,30 @@ use crate::scope::BlockKey;
 pub struct TierMask(pub u8);
 
 impl TierMask {
+    /// The empty set.
     pub const EMPTY: TierMask = TierMask(0);
 
+    /// The set of one tier.
     pub fn of(tier: Tier) -> TierMask {
         TierMask(1 << tier as u8)
     }
 
+    /// This set plus `tier`.
     pub fn with(self, tier: Tier) -> TierMask {
         TierMask(self.0 | 1 << tier as u8)
     }
 
+    /// This set without `tier`.
     pub fn without(self, tier: Tier) -> TierMask {
         TierMask(self.0 & !(1 << tier as u8))
     }
 
+    /// Whether `tier` is in the set.
     pub fn contains(self, tier: Tier) -> bool {
         self.0 & (1 << tier as u8) != 0
     }
 
+    /// Whether no tier is in the set.
     pub fn is_empty(self) -> bool {
         self.0 & 0b111 == 0
     }
@@ -69,7 +75,9 @@ pub trait HolderView<K: Copy = BlockKey> {
 /// (`blocks[Tier::Gpu as usize]` ≤ `blocks[Tier::Cpu]` ≤ `blocks[Tier::Disk]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkerMatch {
+    /// The worker.
     pub worker: WorkerId,
+    /// Leading blocks held per cumulative tier class: GPU, CPU, DISK.
     pub blocks: [u32; 3],
 }
 
@@ -83,6 +91,7 @@ impl WorkerMatch {
 /// Counts of the walk, for metrics and benchmarks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WalkStats {
+    /// Holder reads made.
     pub reads: u32,
 }
 

@@ -12,7 +12,7 @@ use kvroute::scope::ScopeId;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
-use crate::config::{millis, Config, Matcher, Mode, Source, Sources};
+use crate::config::{millis, Config, Mode, Source, Sources};
 use crate::host::{self, HostStore};
 use crate::vm::{Scratch, VmRef};
 use crate::Outcome;
@@ -126,58 +126,6 @@ impl Http {
         self.outcome = Some(outcome);
         vm.metrics.count(outcome);
         log::debug!("kvroute[{}]: {}", self.id, outcome.as_str());
-    }
-
-    /// The configuration of this request: a matching Higress rule's, or the global one.
-    fn select_config(vm: &VmRef) -> Rc<Config> {
-        let plugin = &vm.plugin;
-        if plugin.rules.is_empty() {
-            return plugin.global.clone();
-        }
-        let route = || {
-            host::get_property(&["route_name"])
-                .and_then(|v| String::from_utf8(v).ok())
-                .unwrap_or_default()
-        };
-        for (m, cfg) in &plugin.rules {
-            let hit = match m {
-                Matcher::Route(names) => {
-                    let r = route();
-                    names.contains(&r)
-                }
-                Matcher::RoutePrefix(names) => {
-                    let r = route();
-                    names.iter().any(|n| r.starts_with(n.as_str()))
-                }
-                Matcher::Domain(patterns) => {
-                    let authority = host::get_header(MapType::HttpRequestHeaders, ":authority")
-                        .unwrap_or_default();
-                    let authority = String::from_utf8_lossy(&authority);
-                    let hostname = authority.rsplit_once(':').map_or(&*authority, |(h, p)| {
-                        if p.bytes().all(|c| c.is_ascii_digit()) {
-                            h
-                        } else {
-                            &authority
-                        }
-                    });
-                    patterns
-                        .iter()
-                        .any(|p| crate::config::domain_matches(p, hostname))
-                }
-                Matcher::Service(names) => {
-                    let c = host::get_property(&["cluster_name"])
-                        .and_then(|v| String::from_utf8(v).ok())
-                        .unwrap_or_default();
-                    names
-                        .iter()
-                        .any(|n| c == *n || c.ends_with(&format!("||{n}")))
-                }
-            };
-            if hit {
-                return cfg.clone();
-            }
-        }
-        plugin.global.clone()
     }
 
     fn resolve_str(
@@ -662,7 +610,7 @@ impl HttpContext for Http {
             host::remove_header(MapType::HttpRequestHeaders, DEFAULT_DESTINATION_HEADER);
             return Action::Continue;
         };
-        let cfg = Self::select_config(&vm);
+        let cfg = crate::rules::select_config(&vm);
         self.cfg = Some(cfg.clone());
         // Never let a client choose the upstream, routed or not.
         host::remove_header(MapType::HttpRequestHeaders, &cfg.destination_header);

@@ -38,6 +38,8 @@ mod http;
 #[cfg(target_arch = "wasm32")]
 mod root;
 #[cfg(target_arch = "wasm32")]
+mod rules;
+#[cfg(target_arch = "wasm32")]
 mod vm;
 
 pub use config::{domain_matches, parse, parse_plugin, Config, ConfigError, Mode, Plugin, Source};

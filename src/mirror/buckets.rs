@@ -56,10 +56,12 @@ impl<'a> BucketRef<'a> {
         })
     }
 
+    /// Distinct block keys in the bucket.
     pub fn len(&self) -> usize {
         self.n
     }
 
+    /// Whether the bucket holds no key.
     pub fn is_empty(&self) -> bool {
         self.n == 0
     }

@@ -35,6 +35,7 @@ impl Default for Limits {
 }
 
 impl Limits {
+    /// Buckets per generation.
     pub fn buckets(&self) -> u32 {
         1u32 << self.buckets_log2.min(20)
     }
@@ -47,32 +48,39 @@ pub struct Keys {
 }
 
 impl Keys {
+    /// The keys of plugin `plugin`.
     pub fn new(plugin: &str) -> Keys {
         Keys {
             prefix: format!("kvroute/{plugin}/v{LAYOUT_VERSION}"),
         }
     }
 
+    /// `kvroute/{plugin}/v{LAYOUT_VERSION}`: the start of every key.
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
 
+    /// The lease key.
     pub fn lease(&self) -> String {
         format!("{}/lease", self.prefix)
     }
 
+    /// The VM-id counter key.
     pub fn vm_seq(&self) -> String {
         format!("{}/vmseq", self.prefix)
     }
 
+    /// The sync-state key.
     pub fn active(&self) -> String {
         format!("{}/active", self.prefix)
     }
 
+    /// The in-flight load table key.
     pub fn load(&self) -> String {
         format!("{}/load", self.prefix)
     }
 
+    /// The meta key of generation `gen` (0 or 1).
     pub fn meta(&self, gen: u8) -> String {
         format!("{}/g{}/meta", self.prefix, gen & 1)
     }
@@ -96,6 +104,7 @@ impl Keys {
         }
     }
 
+    /// The key of bucket `idx` of generation `gen`.
     pub fn bucket(&self, gen: u8, idx: u32) -> String {
         let mut s = String::new();
         self.bucket_into(gen, idx, &mut s);

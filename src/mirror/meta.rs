@@ -9,22 +9,31 @@ use super::keys::{Limits, LAYOUT_VERSION};
 /// One worker slot.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkerSlot {
+    /// Registered and not gone: only live workers are routed to.
     pub live: bool,
+    /// Its data-parallel rank within its instance.
     pub dp_rank: u32,
+    /// The engine instance it belongs to.
     pub instance_id: String,
+    /// Where its instance takes requests (`host:port`).
     pub address: String,
     /// The registration's tenant and model: a request is routed only to its model's workers
     /// (empty: unknown, a candidate for any model).
     pub tenant: String,
+    /// See `tenant`.
     pub model: String,
 }
 
 /// A served name's resolution.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Alias {
+    /// The tenant the alias belongs to.
     pub tenant: String,
+    /// The model name clients send.
     pub served: String,
+    /// The base model it resolves to.
     pub model: String,
+    /// The LoRA adapter it resolves to, if any.
     pub lora: Option<String>,
 }
 
@@ -43,7 +52,9 @@ pub struct Alias {
 pub struct Meta {
     /// Indexed by slot (= the feed's worker id); `None` is a free slot.
     pub workers: Vec<Option<WorkerSlot>>,
+    /// `(tenant, model, block size)` of each known model.
     pub block_sizes: Vec<(String, String, u32)>,
+    /// Served-name aliases.
     pub aliases: Vec<Alias>,
 }
 
@@ -63,6 +74,7 @@ pub struct ApplyStats {
 }
 
 impl Meta {
+    /// Parses a meta value of build `stamp`; another build, layout or a damaged value is `None`.
     pub fn decode(bytes: &[u8], stamp: u32) -> Option<Meta> {
         let mut r = Reader::new(bytes);
         if r.u8().ok()? != LAYOUT_VERSION || r.u32().ok()? != stamp {
@@ -110,6 +122,7 @@ impl Meta {
         (r.position() == bytes.len()).then_some(m)
     }
 
+    /// The meta value for build `stamp`.
     pub fn encode(&self, stamp: u32) -> Vec<u8> {
         let mut out = vec![LAYOUT_VERSION];
         out.extend_from_slice(&stamp.to_le_bytes());
@@ -165,6 +178,7 @@ impl Meta {
         }
     }
 
+    /// The worker in slot `slot`, if any.
     pub fn worker(&self, slot: u32) -> Option<&WorkerSlot> {
         self.workers.get(slot as usize).and_then(Option::as_ref)
     }

@@ -40,6 +40,7 @@ pub struct MemStore {
 }
 
 impl MemStore {
+    /// An empty store.
     pub fn new() -> Self {
         Self::default()
     }
@@ -59,6 +60,7 @@ impl MemStore {
         self.reads.get()
     }
 
+    /// Every key written, in no order.
     pub fn keys(&self) -> Vec<String> {
         self.map.borrow().keys().cloned().collect()
     }

@@ -14,9 +14,13 @@ use super::store::{Store, StoreError};
 /// A full resync in progress, built into the inactive generation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Build {
+    /// The generation being built (0 or 1).
     pub gen: u8,
+    /// The stamp its values carry.
     pub stamp: u32,
+    /// The feed epoch it follows.
     pub epoch: u64,
+    /// The feed cursor it has reached.
     pub cursor: u64,
 }
 
@@ -35,6 +39,7 @@ pub struct SyncState {
     pub has_index: bool,
     /// The generation readers use.
     pub gen: u8,
+    /// The stamp the active generation's values carry.
     pub stamp: u32,
     /// Bumped whenever the active generation's [`Meta`] changes, so readers re-read it.
     pub meta_version: u32,
@@ -43,14 +48,18 @@ pub struct SyncState {
     /// Feed epoch and cursor of the active generation; `cursor_valid == false` asks for a
     /// full snapshot.
     pub epoch: u64,
+    /// See `epoch`.
     pub cursor: u64,
+    /// See `epoch`.
     pub cursor_valid: bool,
     /// When the active generation last caught up with the collector (host clock, ms).
     pub synced_at_ms: u64,
+    /// A full resync in progress, if any.
     pub build: Option<Build>,
 }
 
 impl SyncState {
+    /// Parses the state value; another layout or a damaged one is `None`.
     pub fn decode(b: &[u8]) -> Option<SyncState> {
         let mut r = Reader::new(b);
         if r.u8().ok()? != LAYOUT_VERSION {
@@ -81,6 +90,7 @@ impl SyncState {
         Some(s)
     }
 
+    /// The state value.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(64);
         out.push(LAYOUT_VERSION);
@@ -128,11 +138,14 @@ impl SyncState {
 /// `version u8, holder u64, expires_ms u64`
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Lease {
+    /// The VM id holding it.
     pub holder: u64,
+    /// When it lapses (host clock, ms).
     pub expires_ms: u64,
 }
 
 impl Lease {
+    /// Parses a lease value; another layout or a damaged one is `None`.
     pub fn decode(b: &[u8]) -> Option<Lease> {
         let mut r = Reader::new(b);
         if r.u8().ok()? != LAYOUT_VERSION {
@@ -144,6 +157,7 @@ impl Lease {
         })
     }
 
+    /// The lease value.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = vec![LAYOUT_VERSION];
         out.extend_from_slice(&self.holder.to_le_bytes());
@@ -225,7 +239,12 @@ pub enum SyncError {
     /// A delta page of an epoch other than the one being followed: the cursor is dropped so
     /// the next pull asks for a full snapshot.
     #[error("delta page of epoch {got}, following {want}")]
-    EpochMismatch { got: u64, want: u64 },
+    EpochMismatch {
+        /// The page's epoch.
+        got: u64,
+        /// The epoch followed.
+        want: u64,
+    },
     /// A delta page before any snapshot.
     #[error("delta page with no index to apply it to")]
     NoBase,
@@ -237,6 +256,7 @@ pub enum SyncError {
 /// What applying a page did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Applied {
+    /// Counts of what the page did.
     pub stats: ApplyStats,
     /// A full resync was switched in by this page.
     pub switched: bool,

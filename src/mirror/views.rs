@@ -28,6 +28,7 @@ pub struct BucketView<'a, S: Store> {
 }
 
 impl<'a, S: Store> BucketView<'a, S> {
+    /// A view of the generation `state` names.
     pub fn new(store: &'a S, keys: &'a Keys, state: &SyncState, buckets_log2: u8) -> Self {
         BucketView {
             store,
