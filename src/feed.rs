@@ -44,45 +44,69 @@ use crate::codec::{put_str_varint, put_varint, CodecError, Reader};
 use crate::event::{Tier, WorkerId};
 use crate::scope::BlockKey;
 
+/// The first four bytes of every page.
 pub const MAGIC: [u8; 4] = *b"KVRF";
+/// The format version this code reads and writes.
 pub const VERSION: u8 = 1;
 /// Longest string the format carries (instance ids, addresses, names).
 pub const MAX_STR: usize = 4096;
 const HEADER_LEN: usize = 4 + 1 + 1 + 8 + 8;
 
+/// One change of the index, as the filter needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
     /// A worker was registered or changed (address, liveness). `tenant` and `model` are its
     /// registration's: only workers of a request's model are candidates for it.
     Worker {
+        /// The worker (the filter's slot).
         id: WorkerId,
+        /// Whether it takes requests.
         live: bool,
+        /// Its data-parallel rank within its instance.
         dp_rank: u32,
+        /// The engine instance it belongs to.
         instance_id: String,
+        /// Where the instance takes requests (`host:port`).
         address: String,
+        /// Its registration's tenant.
         tenant: String,
+        /// Its registration's model (empty: any).
         model: String,
     },
     /// A worker's slot is free again.
-    WorkerGone { id: WorkerId },
+    WorkerGone {
+        /// The worker gone.
+        id: WorkerId,
+    },
     /// The block size of `(tenant, model)`.
     BlockSize {
+        /// The tenant.
         tenant: String,
+        /// The model.
         model: String,
+        /// Tokens per block.
         block_size: u32,
     },
     /// A served model name (a LoRA adapter's, say) resolves to `(model, lora)`.
     Alias {
+        /// The tenant.
         tenant: String,
+        /// The name clients send.
         served: String,
+        /// The base model.
         model: String,
+        /// The LoRA adapter, if any.
         lora: Option<String>,
     },
     /// Blocks a worker gained (`added`) or lost in `tier`.
     Blocks {
+        /// The worker.
         worker: WorkerId,
+        /// The tier.
         tier: Tier,
+        /// Gained (`true`) or lost.
         added: bool,
+        /// The blocks.
         keys: Vec<BlockKey>,
     },
 }
@@ -115,42 +139,69 @@ impl Op {
 /// One response of `/v1/feed`.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct Page {
+    /// [`Page::RESET`] and [`Page::MORE`] bits.
     pub flags: u8,
+    /// The index incarnation the cursor belongs to (a collector restart changes it).
     pub epoch: u64,
+    /// Where the next pull resumes (`since`).
     pub cursor: u64,
+    /// The changes, in order.
     pub ops: Vec<Op>,
 }
 
+/// Why a page could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FeedError {
+    /// The page ends inside a value, at this byte.
     #[error("feed page truncated at byte {0}")]
     Truncated(usize),
+    /// The page does not start with [`MAGIC`].
     #[error("not a feed page (bad magic)")]
     BadMagic,
+    /// A format version this code does not read.
     #[error("unsupported feed version {0}")]
     Version(u8),
+    /// Flag bits this code does not know.
     #[error("unknown flag bits {0:#04x}")]
     Flags(u8),
+    /// An op tag this code does not know.
     #[error("unknown op tag {tag} at byte {at}")]
-    Tag { tag: u8, at: usize },
+    Tag {
+        /// The tag.
+        tag: u8,
+        /// Its offset.
+        at: usize,
+    },
+    /// A value out of its range.
     #[error("bad value at byte {at}: {what}")]
-    Value { at: usize, what: &'static str },
+    Value {
+        /// Its offset.
+        at: usize,
+        /// What was wrong.
+        what: &'static str,
+    },
+    /// Bytes after the last op.
     #[error("{0} trailing bytes after the last op")]
     Trailing(usize),
 }
 
 impl Page {
+    /// Flag: a full snapshot starts with this page.
     pub const RESET: u8 = 1;
+    /// Flag: more is ready, pull again at once.
     pub const MORE: u8 = 2;
 
+    /// Whether a full snapshot starts with this page.
     pub fn is_reset(&self) -> bool {
         self.flags & Self::RESET != 0
     }
 
+    /// Whether more is ready at once.
     pub fn has_more(&self) -> bool {
         self.flags & Self::MORE != 0
     }
 
+    /// Appends the encoded page to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&MAGIC);
         out.push(VERSION);
@@ -223,6 +274,7 @@ impl Page {
         }
     }
 
+    /// The encoded page.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(
             HEADER_LEN + 10 + self.ops.iter().map(Op::encoded_len).sum::<usize>(),

@@ -24,11 +24,8 @@
 pub mod api;
 pub mod codec;
 pub mod event;
-// Not yet documented item by item (left for a follow-up): `feed` and `index`.
-#[allow(missing_docs)]
 pub mod feed;
 pub mod hash;
-#[allow(missing_docs)]
 pub mod index;
 pub mod intake;
 pub mod lookup;
