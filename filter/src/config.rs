@@ -303,6 +303,8 @@ impl Sources {
 
 /// Whole milliseconds of `d`, saturating: the unit of the host clock and of the core's
 /// shared-data timestamps.
+// Its callers are the wasm-only contexts; native builds see it only in tests.
+#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
 pub fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
@@ -673,5 +675,26 @@ pub fn domain_matches(pattern: &str, host: &str) -> bool {
         host.starts_with(prefix)
     } else {
         pattern.eq_ignore_ascii_case(host)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn millisecond_keys_become_durations() {
+        let p = parse_plugin(
+            br#"{"collector": {"cluster": "c", "query_timeout_ms": 25},
+                 "index": {"sync_interval_ms": 50}, "load": {"ttl_ms": 1500}}"#,
+        )
+        .unwrap();
+        let c = &p.global;
+        assert_eq!(c.query_timeout, Duration::from_millis(25));
+        assert_eq!(c.feed_timeout, Duration::from_secs(1), "the default");
+        assert_eq!(c.sync_interval, Duration::from_millis(50));
+        assert_eq!(c.stale_after, Duration::from_secs(5), "the default");
+        assert_eq!(millis(c.load_ttl), 1500);
+        assert_eq!(millis(Duration::MAX), u64::MAX, "saturates");
     }
 }
