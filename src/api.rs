@@ -23,16 +23,19 @@ pub struct RegisterRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay_endpoint: Option<String>,
     #[serde(alias = "model", alias = "modelname")]
+    /// The model the engine serves.
     pub model_name: String,
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
         deserialize_with = "opt_string_or_number"
     )]
+    /// Tenant (`default` when absent).
     pub tenant_id: Option<String>,
     /// Tokens per block; at least 1.
     pub block_size: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Data-parallel rank of the worker, if the engine has several.
     pub dp_rank: Option<u32>,
     /// A LoRA adapter the worker serves under its own name (published as an alias).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -54,10 +57,13 @@ pub struct RegisterRequest {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 pub struct UnregisterRequest {
     #[serde(deserialize_with = "string_or_number")]
+    /// The engine instance.
     pub instance_id: String,
     #[serde(alias = "model", alias = "modelname")]
+    /// The model it served.
     pub model_name: String,
     #[serde(default, deserialize_with = "opt_string_or_number")]
+    /// Tenant (`default` when absent).
     pub tenant_id: Option<String>,
     /// Only this rank; all of the instance's ranks when absent.
     #[serde(default)]
@@ -67,14 +73,19 @@ pub struct UnregisterRequest {
 /// `POST /query`.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 pub struct QueryRequest {
+    /// The prompt's token ids.
     pub token_ids: Vec<u32>,
     #[serde(alias = "model", alias = "modelname")]
+    /// The model name the client sent.
     pub model_name: String,
     #[serde(default, deserialize_with = "opt_string_or_number")]
+    /// Tenant (`default` when absent).
     pub tenant_id: Option<String>,
     #[serde(default)]
+    /// LoRA adapter, if any.
     pub lora_name: Option<String>,
     #[serde(default, alias = "additionalsalt", alias = "additional_salt")]
+    /// Cache salt, if any.
     pub cache_salt: Option<String>,
 }
 
@@ -83,26 +94,37 @@ pub struct QueryRequest {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 pub struct QueryByHashRequest {
     #[serde(default, deserialize_with = "opt_hashes")]
+    /// Block hashes of the prompt (give these or `seq_hashes`).
     pub block_hashes: Option<Vec<u64>>,
     #[serde(default, deserialize_with = "opt_hashes")]
+    /// Sequence hashes of the prompt.
     pub seq_hashes: Option<Vec<u64>>,
     #[serde(alias = "model", alias = "modelname")]
+    /// The model name the client sent.
     pub model_name: String,
     #[serde(default, deserialize_with = "opt_string_or_number")]
+    /// Tenant (`default` when absent).
     pub tenant_id: Option<String>,
     #[serde(default)]
+    /// LoRA adapter, if any.
     pub lora_name: Option<String>,
     #[serde(default, alias = "additionalsalt", alias = "additional_salt")]
+    /// Cache salt, if any.
     pub cache_salt: Option<String>,
 }
 
 /// One instance's match in a [`QueryResponse`], in tokens.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq, Default)]
 pub struct InstanceMatch {
+    /// Where the instance takes requests (`host:port`).
     pub address: String,
+    /// Longest match over all tiers, in tokens.
     pub longest_matched: u64,
+    /// Tokens matched in GPU memory.
     pub gpu: u64,
+    /// Tokens matched in GPU or CPU memory.
     pub cpu: u64,
+    /// Tokens matched in any tier.
     pub disk: u64,
     /// Each dp rank's best, in tokens, keyed by the rank in decimal.
     pub dp: BTreeMap<String, u64>,
@@ -111,18 +133,23 @@ pub struct InstanceMatch {
 /// The answer of `/query` and `/query_by_hash`.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq, Default)]
 pub struct QueryResponse {
+    /// Tokens per block of the model.
     pub block_size: u32,
+    /// Full blocks of the query.
     pub query_blocks: u32,
+    /// Each instance holding a match, by instance id.
     pub instances: BTreeMap<String, InstanceMatch>,
 }
 
 /// Every 4xx/5xx body.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 pub struct ErrorBody {
+    /// What went wrong.
     pub error: String,
 }
 
 impl ErrorBody {
+    /// A body saying `error`.
     pub fn new(error: impl std::fmt::Display) -> Self {
         ErrorBody {
             error: error.to_string(),

@@ -18,12 +18,16 @@ pub struct WorkerId(pub u32);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u8)]
 pub enum Tier {
+    /// GPU memory.
     Gpu = 0,
+    /// CPU memory.
     Cpu = 1,
+    /// Disk or remote storage.
     Disk = 2,
 }
 
 impl Tier {
+    /// Every tier, fastest first.
     pub const ALL: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Disk];
 
     /// Maps an engine's `medium` string: nil and `GPU` are GPU; `CPU` and `CPU_PINNED` are
@@ -39,6 +43,7 @@ impl Tier {
         }
     }
 
+    /// The tier of wire value `v`.
     pub fn from_u8(v: u8) -> Option<Tier> {
         match v {
             0 => Some(Tier::Gpu),
@@ -48,6 +53,7 @@ impl Tier {
         }
     }
 
+    /// The lowercase name.
     pub fn as_str(self) -> &'static str {
         match self {
             Tier::Gpu => "gpu",
@@ -61,7 +67,9 @@ impl Tier {
 /// collector has re-chunked engine pages to the registered block size).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoredBlock {
+    /// The engine's hash of the block.
     pub hash: EngineHash,
+    /// The block's tokens.
     pub tokens: Vec<u32>,
 }
 
@@ -73,14 +81,24 @@ pub enum KvEvent {
     /// a chain with a parent inherits the parent's scope (vLLM sends the salt only with the
     /// first block of a prompt).
     BlockStored {
+        /// The block the first stored block follows, if any.
         parent: Option<EngineHash>,
+        /// The blocks, in order.
         blocks: Vec<StoredBlock>,
+        /// Where they are stored.
         tier: Tier,
+        /// LoRA adapter they were computed with, if any.
         lora_name: Option<String>,
+        /// Cache salt, if any.
         cache_salt: Option<String>,
     },
     /// Blocks were evicted from `tier`; each removal also drops the worker's descendants.
-    BlockRemoved { hashes: Vec<EngineHash>, tier: Tier },
+    BlockRemoved {
+        /// The engine's hashes of the removed blocks.
+        hashes: Vec<EngineHash>,
+        /// The tier they left.
+        tier: Tier,
+    },
     /// The engine dropped its whole cache.
     AllBlocksCleared,
 }

@@ -40,48 +40,73 @@
 //! with every descendant the worker lost with it, so the reader never walks a tree. A worker
 //! that goes away first loses its blocks (as `Blocks` removals), then gets a `WorkerGone`.
 
+use crate::codec::{put_str_varint, put_varint, CodecError, Reader};
 use crate::event::{Tier, WorkerId};
 use crate::scope::BlockKey;
 
+/// The first four bytes of every page.
 pub const MAGIC: [u8; 4] = *b"KVRF";
+/// The format version this code reads and writes.
 pub const VERSION: u8 = 1;
 /// Longest string the format carries (instance ids, addresses, names).
 pub const MAX_STR: usize = 4096;
 const HEADER_LEN: usize = 4 + 1 + 1 + 8 + 8;
 
+/// One change of the index, as the filter needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
     /// A worker was registered or changed (address, liveness). `tenant` and `model` are its
     /// registration's: only workers of a request's model are candidates for it.
     Worker {
+        /// The worker (the filter's slot).
         id: WorkerId,
+        /// Whether it takes requests.
         live: bool,
+        /// Its data-parallel rank within its instance.
         dp_rank: u32,
+        /// The engine instance it belongs to.
         instance_id: String,
+        /// Where the instance takes requests (`host:port`).
         address: String,
+        /// Its registration's tenant.
         tenant: String,
+        /// Its registration's model (empty: any).
         model: String,
     },
     /// A worker's slot is free again.
-    WorkerGone { id: WorkerId },
+    WorkerGone {
+        /// The worker gone.
+        id: WorkerId,
+    },
     /// The block size of `(tenant, model)`.
     BlockSize {
+        /// The tenant.
         tenant: String,
+        /// The model.
         model: String,
+        /// Tokens per block.
         block_size: u32,
     },
     /// A served model name (a LoRA adapter's, say) resolves to `(model, lora)`.
     Alias {
+        /// The tenant.
         tenant: String,
+        /// The name clients send.
         served: String,
+        /// The base model.
         model: String,
+        /// The LoRA adapter, if any.
         lora: Option<String>,
     },
     /// Blocks a worker gained (`added`) or lost in `tier`.
     Blocks {
+        /// The worker.
         worker: WorkerId,
+        /// The tier.
         tier: Tier,
+        /// Gained (`true`) or lost.
         added: bool,
+        /// The blocks.
         keys: Vec<BlockKey>,
     },
 }
@@ -114,42 +139,69 @@ impl Op {
 /// One response of `/v1/feed`.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct Page {
+    /// [`Page::RESET`] and [`Page::MORE`] bits.
     pub flags: u8,
+    /// The index incarnation the cursor belongs to (a collector restart changes it).
     pub epoch: u64,
+    /// Where the next pull resumes (`since`).
     pub cursor: u64,
+    /// The changes, in order.
     pub ops: Vec<Op>,
 }
 
+/// Why a page could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FeedError {
+    /// The page ends inside a value, at this byte.
     #[error("feed page truncated at byte {0}")]
     Truncated(usize),
+    /// The page does not start with [`MAGIC`].
     #[error("not a feed page (bad magic)")]
     BadMagic,
+    /// A format version this code does not read.
     #[error("unsupported feed version {0}")]
     Version(u8),
+    /// Flag bits this code does not know.
     #[error("unknown flag bits {0:#04x}")]
     Flags(u8),
+    /// An op tag this code does not know.
     #[error("unknown op tag {tag} at byte {at}")]
-    Tag { tag: u8, at: usize },
+    Tag {
+        /// The tag.
+        tag: u8,
+        /// Its offset.
+        at: usize,
+    },
+    /// A value out of its range.
     #[error("bad value at byte {at}: {what}")]
-    Value { at: usize, what: &'static str },
+    Value {
+        /// Its offset.
+        at: usize,
+        /// What was wrong.
+        what: &'static str,
+    },
+    /// Bytes after the last op.
     #[error("{0} trailing bytes after the last op")]
     Trailing(usize),
 }
 
 impl Page {
+    /// Flag: a full snapshot starts with this page.
     pub const RESET: u8 = 1;
+    /// Flag: more is ready, pull again at once.
     pub const MORE: u8 = 2;
 
+    /// Whether a full snapshot starts with this page.
     pub fn is_reset(&self) -> bool {
         self.flags & Self::RESET != 0
     }
 
+    /// Whether more is ready at once.
     pub fn has_more(&self) -> bool {
         self.flags & Self::MORE != 0
     }
 
+    /// Appends the encoded page to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&MAGIC);
         out.push(VERSION);
@@ -172,10 +224,10 @@ impl Page {
                     put_varint(out, id.0 as u64);
                     out.push(*live as u8);
                     put_varint(out, *dp_rank as u64);
-                    put_str(out, instance_id);
-                    put_str(out, address);
-                    put_str(out, tenant);
-                    put_str(out, model);
+                    put_str_varint(out, instance_id, MAX_STR);
+                    put_str_varint(out, address, MAX_STR);
+                    put_str_varint(out, tenant, MAX_STR);
+                    put_str_varint(out, model, MAX_STR);
                 }
                 Op::WorkerGone { id } => {
                     out.push(2);
@@ -187,8 +239,8 @@ impl Page {
                     block_size,
                 } => {
                     out.push(3);
-                    put_str(out, tenant);
-                    put_str(out, model);
+                    put_str_varint(out, tenant, MAX_STR);
+                    put_str_varint(out, model, MAX_STR);
                     put_varint(out, *block_size as u64);
                 }
                 Op::Alias {
@@ -198,10 +250,10 @@ impl Page {
                     lora,
                 } => {
                     out.push(4);
-                    put_str(out, tenant);
-                    put_str(out, served);
-                    put_str(out, model);
-                    put_str(out, lora.as_deref().unwrap_or(""));
+                    put_str_varint(out, tenant, MAX_STR);
+                    put_str_varint(out, served, MAX_STR);
+                    put_str_varint(out, model, MAX_STR);
+                    put_str_varint(out, lora.as_deref().unwrap_or(""), MAX_STR);
                 }
                 Op::Blocks {
                     worker,
@@ -222,6 +274,7 @@ impl Page {
         }
     }
 
+    /// The encoded page.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(
             HEADER_LEN + 10 + self.ops.iter().map(Op::encoded_len).sum::<usize>(),
@@ -232,7 +285,7 @@ impl Page {
 
     /// Decodes one page. Never panics: any malformed input is an error.
     pub fn decode(bytes: &[u8]) -> Result<Page, FeedError> {
-        let mut r = Reader { bytes, at: 0 };
+        let mut r = Reader::new(bytes);
         if r.take(4)? != MAGIC {
             return Err(FeedError::BadMagic);
         }
@@ -250,28 +303,30 @@ impl Page {
         // Each op takes at least two bytes: a count past that is a lie, not an allocation.
         if count > (r.remaining() / 2) as u64 {
             return Err(FeedError::Value {
-                at: r.at,
+                at: r.position(),
                 what: "op count exceeds page size",
             });
         }
         let mut ops = Vec::with_capacity(count as usize);
         for _ in 0..count {
-            let at = r.at;
+            let at = r.position();
             let op = match r.u8()? {
                 1 => Op::Worker {
-                    id: r.worker()?,
+                    id: WorkerId(r.u32_varint()?),
                     live: r.bool()?,
                     dp_rank: r.u32_varint()?,
-                    instance_id: r.str()?,
-                    address: r.str()?,
-                    tenant: r.str()?,
-                    model: r.str()?,
+                    instance_id: r.str_varint(MAX_STR)?,
+                    address: r.str_varint(MAX_STR)?,
+                    tenant: r.str_varint(MAX_STR)?,
+                    model: r.str_varint(MAX_STR)?,
                 },
-                2 => Op::WorkerGone { id: r.worker()? },
+                2 => Op::WorkerGone {
+                    id: WorkerId(r.u32_varint()?),
+                },
                 3 => {
-                    let tenant = r.str()?;
-                    let model = r.str()?;
-                    let at = r.at;
+                    let tenant = r.str_varint(MAX_STR)?;
+                    let model = r.str_varint(MAX_STR)?;
+                    let at = r.position();
                     let block_size = r.u32_varint()?;
                     if block_size == 0 {
                         return Err(FeedError::Value {
@@ -286,10 +341,10 @@ impl Page {
                     }
                 }
                 4 => {
-                    let tenant = r.str()?;
-                    let served = r.str()?;
-                    let model = r.str()?;
-                    let lora = r.str()?;
+                    let tenant = r.str_varint(MAX_STR)?;
+                    let served = r.str_varint(MAX_STR)?;
+                    let model = r.str_varint(MAX_STR)?;
+                    let lora = r.str_varint(MAX_STR)?;
                     Op::Alias {
                         tenant,
                         served,
@@ -298,12 +353,12 @@ impl Page {
                     }
                 }
                 5 => {
-                    let worker = r.worker()?;
-                    let at = r.at;
+                    let worker = WorkerId(r.u32_varint()?);
+                    let at = r.position();
                     let tier =
                         Tier::from_u8(r.u8()?).ok_or(FeedError::Value { at, what: "tier" })?;
                     let added = r.bool()?;
-                    let at = r.at;
+                    let at = r.position();
                     let n = r.varint()?;
                     if n > (r.remaining() / 8) as u64 {
                         return Err(FeedError::Value {
@@ -339,116 +394,12 @@ impl Page {
     }
 }
 
-fn put_varint(out: &mut Vec<u8>, mut v: u64) {
-    while v >= 0x80 {
-        out.push((v as u8) | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
-}
-
-/// Strings longer than [`MAX_STR`] are cut at a character boundary: the collector refuses
-/// such names at registration, so this only guards the format's own limit.
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    let mut end = s.len().min(MAX_STR);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    put_varint(out, end as u64);
-    out.extend_from_slice(&s.as_bytes()[..end]);
-}
-
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn remaining(&self) -> usize {
-        self.bytes.len() - self.at
-    }
-
-    fn take(&mut self, n: usize) -> Result<&'a [u8], FeedError> {
-        let end = self
-            .at
-            .checked_add(n)
-            .filter(|&e| e <= self.bytes.len())
-            .ok_or(FeedError::Truncated(self.at))?;
-        let slice = &self.bytes[self.at..end];
-        self.at = end;
-        Ok(slice)
-    }
-
-    fn u8(&mut self) -> Result<u8, FeedError> {
-        Ok(self.take(1)?[0])
-    }
-
-    fn bool(&mut self) -> Result<bool, FeedError> {
-        let at = self.at;
-        match self.u8()? {
-            0 => Ok(false),
-            1 => Ok(true),
-            _ => Err(FeedError::Value { at, what: "bool" }),
+impl From<CodecError> for FeedError {
+    fn from(e: CodecError) -> Self {
+        match e {
+            CodecError::Truncated(at) => FeedError::Truncated(at),
+            CodecError::Value { at, what } => FeedError::Value { at, what },
         }
-    }
-
-    fn u64(&mut self) -> Result<u64, FeedError> {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(self.take(8)?);
-        Ok(u64::from_le_bytes(b))
-    }
-
-    fn varint(&mut self) -> Result<u64, FeedError> {
-        let start = self.at;
-        let mut v = 0u64;
-        for shift in (0..64).step_by(7) {
-            let byte = self.u8()?;
-            let bits = (byte & 0x7f) as u64;
-            if shift == 63 && bits > 1 {
-                return Err(FeedError::Value {
-                    at: start,
-                    what: "varint overflows u64",
-                });
-            }
-            v |= bits << shift;
-            if byte & 0x80 == 0 {
-                return Ok(v);
-            }
-        }
-        Err(FeedError::Value {
-            at: start,
-            what: "varint too long",
-        })
-    }
-
-    fn u32_varint(&mut self) -> Result<u32, FeedError> {
-        let at = self.at;
-        u32::try_from(self.varint()?).map_err(|_| FeedError::Value {
-            at,
-            what: "value exceeds u32",
-        })
-    }
-
-    fn worker(&mut self) -> Result<WorkerId, FeedError> {
-        self.u32_varint().map(WorkerId)
-    }
-
-    fn str(&mut self) -> Result<String, FeedError> {
-        let at = self.at;
-        let len = self.varint()?;
-        if len > MAX_STR as u64 {
-            return Err(FeedError::Value {
-                at,
-                what: "string too long",
-            });
-        }
-        let bytes = self.take(len as usize)?;
-        std::str::from_utf8(bytes)
-            .map(str::to_owned)
-            .map_err(|_| FeedError::Value {
-                at,
-                what: "string not UTF-8",
-            })
     }
 }
 

@@ -18,8 +18,10 @@ pub struct BlockHash(pub u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqHash(pub u64);
 
+/// Why tokens could not be hashed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum HashError {
+    /// A block size of 0 tokens.
     #[error("block size must be at least 1 token")]
     ZeroBlockSize,
 }
@@ -57,65 +59,146 @@ pub fn chain(parent: Option<SeqHash>, block: BlockHash) -> SeqHash {
     }
 }
 
+/// The block hashes of the full blocks of a token slice, one per step.
+#[derive(Clone, Debug)]
+pub struct BlockHashes<'a> {
+    blocks: core::slice::ChunksExact<'a, u32>,
+    seed: u64,
+}
+
+impl<'a> BlockHashes<'a> {
+    /// The block hashes of `tokens` in blocks of `block_size` (at least 1) tokens.
+    pub fn new(tokens: &'a [u32], block_size: usize, seed: u64) -> Self {
+        BlockHashes {
+            blocks: tokens.chunks_exact(block_size.max(1)),
+            seed,
+        }
+    }
+}
+
+impl Iterator for BlockHashes<'_> {
+    type Item = BlockHash;
+
+    #[inline]
+    fn next(&mut self) -> Option<BlockHash> {
+        self.blocks.next().map(|b| block_hash(b, self.seed))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.blocks.size_hint()
+    }
+}
+
+impl ExactSizeIterator for BlockHashes<'_> {}
+
+/// Sequence hashes chained over block hashes, computed one step at a time: the one place
+/// the chain is computed, so a caller that stops early (the filter's lazy view) hashes only
+/// the blocks it looked at.
+#[derive(Clone, Debug)]
+pub struct Chained<I> {
+    blocks: I,
+    parent: Option<SeqHash>,
+}
+
+impl<I: Iterator<Item = BlockHash>> Iterator for Chained<I> {
+    type Item = SeqHash;
+
+    #[inline]
+    fn next(&mut self) -> Option<SeqHash> {
+        let seq = chain(self.parent, self.blocks.next()?);
+        self.parent = Some(seq);
+        Some(seq)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.blocks.size_hint()
+    }
+}
+
+impl<I: ExactSizeIterator<Item = BlockHash>> ExactSizeIterator for Chained<I> {}
+
+/// The lazy sequence hashes of a token slice.
+pub type SeqHashes<'a> = Chained<BlockHashes<'a>>;
+
+/// Block hashes of the full blocks of `tokens`, lazily.
+///
+/// # Errors
+/// [`HashError::ZeroBlockSize`].
+pub fn iter_block_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+) -> Result<BlockHashes<'_>, HashError> {
+    if block_size == 0 {
+        return Err(HashError::ZeroBlockSize);
+    }
+    Ok(BlockHashes::new(tokens, block_size, seed))
+}
+
+/// Sequence hashes of the full blocks of `tokens`, lazily.
+///
+/// # Errors
+/// [`HashError::ZeroBlockSize`].
+pub fn iter_sequence_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+) -> Result<SeqHashes<'_>, HashError> {
+    iter_block_hashes(tokens, block_size, seed).map(chained)
+}
+
+/// Chains block hashes into sequence hashes, lazily.
+pub fn chained<I: IntoIterator<Item = BlockHash>>(blocks: I) -> Chained<I::IntoIter> {
+    Chained {
+        blocks: blocks.into_iter(),
+        parent: None,
+    }
+}
+
 /// Block hashes of every full block of `tokens`.
+///
+/// # Errors
+/// [`HashError::ZeroBlockSize`].
 pub fn block_hashes(
     tokens: &[u32],
     block_size: usize,
     seed: u64,
 ) -> Result<Vec<BlockHash>, HashError> {
-    if block_size == 0 {
-        return Err(HashError::ZeroBlockSize);
-    }
-    Ok(tokens
-        .chunks_exact(block_size)
-        .map(|b| block_hash(b, seed))
-        .collect())
+    Ok(iter_block_hashes(tokens, block_size, seed)?.collect())
 }
 
 /// Sequence hashes of every full block of `tokens`, appended to `out` (cleared first), so a
 /// caller on a hot path can reuse one buffer.
+///
+/// # Errors
+/// [`HashError::ZeroBlockSize`].
 pub fn sequence_hashes_into(
     tokens: &[u32],
     block_size: usize,
     seed: u64,
     out: &mut Vec<SeqHash>,
 ) -> Result<(), HashError> {
-    if block_size == 0 {
-        return Err(HashError::ZeroBlockSize);
-    }
+    let seqs = iter_sequence_hashes(tokens, block_size, seed)?;
     out.clear();
-    out.reserve(tokens.len() / block_size);
-    let mut parent = None;
-    for block in tokens.chunks_exact(block_size) {
-        let seq = chain(parent, block_hash(block, seed));
-        out.push(seq);
-        parent = Some(seq);
-    }
+    out.extend(seqs);
     Ok(())
 }
 
 /// Sequence hashes of every full block of `tokens`.
+///
+/// # Errors
+/// [`HashError::ZeroBlockSize`].
 pub fn sequence_hashes(
     tokens: &[u32],
     block_size: usize,
     seed: u64,
 ) -> Result<Vec<SeqHash>, HashError> {
-    let mut out = Vec::new();
-    sequence_hashes_into(tokens, block_size, seed, &mut out)?;
-    Ok(out)
+    Ok(iter_sequence_hashes(tokens, block_size, seed)?.collect())
 }
 
 /// Sequence hashes from already computed block hashes (Dynamo-style `/query_by_hash`).
 pub fn sequence_hashes_of_blocks(blocks: &[BlockHash]) -> Vec<SeqHash> {
-    let mut parent = None;
-    blocks
-        .iter()
-        .map(|&b| {
-            let seq = chain(parent, b);
-            parent = Some(seq);
-            seq
-        })
-        .collect()
+    chained(blocks.iter().copied()).collect()
 }
 
 /// Runs `f` on the little-endian bytes of `tokens`: a free reinterpretation on little-endian
@@ -163,6 +246,25 @@ mod tests {
         assert_eq!(
             sequence_hashes(&tokens, 16, BASE_SEED).unwrap(),
             sequence_hashes_of_blocks(&blocks)
+        );
+    }
+
+    #[test]
+    fn the_lazy_chain_matches_a_hand_chained_one() {
+        let tokens: Vec<u32> = (0..50).collect();
+        let mut parent = None;
+        let mut want = Vec::new();
+        for b in tokens.chunks_exact(16) {
+            let s = chain(parent, block_hash(b, 7));
+            want.push(s);
+            parent = Some(s);
+        }
+        let it = iter_sequence_hashes(&tokens, 16, 7).unwrap();
+        assert_eq!(it.len(), 3, "the trailing partial block is not hashed");
+        assert_eq!(it.collect::<Vec<_>>(), want);
+        assert_eq!(
+            iter_sequence_hashes(&tokens, 16, 7).unwrap().nth(1),
+            Some(want[1])
         );
     }
 }

@@ -1,5 +1,8 @@
 //! The in-memory prefix index the collector keeps: KV events in, longest matches out.
 //!
+//! One concern: the index's data structure (arena, per-worker trees, holder table) and the
+//! operations that must keep its invariants together: apply, cascade, lookup, dump.
+//!
 //! # Layout
 //!
 //! Every (block, worker) hold is one [`Node`] in one arena. A node knows its worker, its scope,
@@ -40,8 +43,10 @@ const NIL: u32 = u32::MAX;
 /// `parent` of a node in the free list.
 const FREE: u32 = u32::MAX - 1;
 
+/// Limits of the index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexConfig {
+    /// Most blocks one worker may hold; stores past it are dropped (counted).
     pub max_blocks_per_worker: usize,
 }
 
@@ -56,19 +61,24 @@ impl Default for IndexConfig {
 /// A change of who holds what, as the feed carries it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Change {
+    /// The worker.
     pub worker: WorkerId,
     /// The hold's class (see the module doc).
     pub tier: Tier,
+    /// Gained (`true`) or lost.
     pub added: bool,
+    /// The block.
     pub key: BlockKey,
 }
 
 /// What one `apply` did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ApplyStats {
+    /// Blocks stored.
     pub stored: u64,
     /// Stores of blocks the worker already held in that tier.
     pub duplicates: u64,
+    /// Removals of blocks the worker held (descendants dropped with them not counted).
     pub removed: u64,
     /// Removals of engine hashes the worker does not hold.
     pub unknown_removals: u64,
@@ -80,10 +90,12 @@ pub struct ApplyStats {
     pub bad_blocks: u64,
     /// Events for a worker the index does not know.
     pub unknown_worker: u64,
+    /// Blocks dropped by `AllBlocksCleared`.
     pub cleared: u64,
 }
 
 impl ApplyStats {
+    /// Adds `o` to these counts.
     pub fn add(&mut self, o: &ApplyStats) {
         self.stored += o.stored;
         self.duplicates += o.duplicates;
@@ -100,11 +112,13 @@ impl ApplyStats {
 /// Sizes of the index, for metrics.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IndexStats {
+    /// Workers known.
     pub workers: usize,
     /// Distinct block keys.
     pub blocks: usize,
     /// (block, worker) holds.
     pub holds: usize,
+    /// Scopes with at least one block.
     pub scopes: usize,
 }
 
@@ -136,6 +150,7 @@ struct ScopeSlot {
     nodes: u32,
 }
 
+/// The prefix index: who holds which blocks, per worker, per tier class.
 #[derive(Clone, Debug, Default)]
 pub struct Index {
     config: IndexConfig,
@@ -162,6 +177,7 @@ fn mix(mut v: u64) -> u64 {
 }
 
 impl Index {
+    /// An empty index.
     pub fn new(config: IndexConfig) -> Index {
         Index {
             config,
@@ -169,6 +185,7 @@ impl Index {
         }
     }
 
+    /// Its limits.
     pub fn config(&self) -> IndexConfig {
         self.config
     }
@@ -190,6 +207,7 @@ impl Index {
         }
     }
 
+    /// Whether `worker` is known.
     pub fn has_worker(&self, worker: WorkerId) -> bool {
         self.worker(worker).is_some()
     }
@@ -224,6 +242,7 @@ impl Index {
         self.worker(worker).map_or(0, |w| w.by_engine.len())
     }
 
+    /// Its sizes.
     pub fn stats(&self) -> IndexStats {
         IndexStats {
             workers: self.workers.iter().flatten().count(),
@@ -878,26 +897,40 @@ impl Holders {
 /// [`Index::export`]'s plain-data form.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IndexDump {
+    /// Dump format version.
     pub version: u32,
+    /// Every worker and its blocks.
     pub workers: Vec<WorkerDump>,
 }
 
+/// One worker of a dump.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerDump {
+    /// The worker id.
     pub worker: u32,
+    /// Its tenant.
     pub tenant: String,
+    /// Its model.
     pub model: String,
+    /// Its block size.
     pub block_size: u32,
     /// Parents before children.
     pub nodes: Vec<NodeDump>,
 }
 
+/// One held block of a dump.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeDump {
+    /// The engine's hash.
     pub engine: u64,
+    /// The engine hash of its parent, if any.
     pub parent: Option<u64>,
+    /// Its block key.
     pub key: u64,
+    /// Its scope id.
     pub scope: u64,
+    /// Its hash seed.
     pub seed: u64,
+    /// Its tiers (a tier mask).
     pub tiers: u8,
 }

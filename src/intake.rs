@@ -1,6 +1,9 @@
 //! Token intake: token ids from header and metadata strings and from JSON bodies, without
 //! building a document tree.
 //!
+//! One concern: reading token ids and request fields out of client bytes, without a
+//! document tree; the JSON scanner and the token-string parser share the number rules.
+//!
 //! - A header or metadata value is either a decimal comma list (`"1, 2, 3"`) or the base64
 //!   (standard or URL-safe alphabet, padding optional) of the tokens as `u32` little-endian.
 //!   A value with a comma, or of at most 10 digits, is decimal; anything else is base64.
@@ -304,12 +307,20 @@ pub enum Found {
     /// Present but not of the asked kind (a text prompt, a number for a name): not usable.
     Other,
     /// Token ids in `tokens[start..end]`.
-    Tokens { start: usize, end: usize },
+    Tokens {
+        /// First token's index.
+        start: usize,
+        /// One past the last token's index.
+        end: usize,
+    },
     /// A string: the raw bytes between the quotes are `body[start..end]`; `escaped` says they
     /// contain backslash escapes (see [`unescape`]).
     Str {
+        /// Offset of the first byte after the opening quote.
         start: usize,
+        /// Offset of the closing quote.
         end: usize,
+        /// Whether the bytes contain backslash escapes.
         escaped: bool,
     },
 }

@@ -8,19 +8,31 @@
 //! 2. `collector/src/decode.rs`: msgpack → [`event::KvEvent`].
 //! 3. [`index::Index::apply`]: events → prefix index, emitting [`index::Change`]s.
 //! 4. [`feed::Page::encode`]: changes → the binary feed the collector serves at `/v1/feed`.
-//! 5. filter, the VM holding the sync lease: [`feed::Page::decode`] → deltas applied to the
-//!    bounded shared-data buckets, a full resync switched in whole by generation.
-//! 6. filter, per request: [`hash::sequence_hashes_into`] → [`scope::ScopeId::key`] →
-//!    [`lookup::longest_matches`] over the shared-data view → [`select::pick`] → the
-//!    destination header.
+//! 5. filter, the VM holding the sync lease: [`feed::Page::decode`] →
+//!    [`mirror::apply_page`]: deltas applied to the bounded shared-data buckets, a full
+//!    resync switched in whole by generation.
+//! 6. filter, per request: [`mirror::PrefixView`] (hashes the prompt lazily through
+//!    [`hash::SeqHashes`] and [`scope::ScopeId::key`]) → [`lookup::longest_matches`]
+//!    over the shared-data buckets → [`route::Roster::contenders`] (dp ranks folded, model
+//!    eligibility, in-flight load from [`mirror::load_get`]) → [`route::decide`] → the
+//!    destination header, and [`mirror::load_update`] books the load until the request ends.
+//!    Remote mode asks the collector instead and feeds its answer to
+//!    [`route::remote_contenders`] → the same [`route::decide`].
+
+#![warn(missing_docs)]
 
 pub mod api;
-pub mod bucket;
+pub mod codec;
 pub mod event;
 pub mod feed;
 pub mod hash;
 pub mod index;
 pub mod intake;
 pub mod lookup;
+pub mod mirror;
+pub mod route;
 pub mod scope;
 pub mod select;
+
+/// The mirror's former name, kept so code written against `kvroute::bucket` still builds.
+pub use mirror as bucket;

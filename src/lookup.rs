@@ -20,24 +20,30 @@ use crate::scope::BlockKey;
 pub struct TierMask(pub u8);
 
 impl TierMask {
+    /// The empty set.
     pub const EMPTY: TierMask = TierMask(0);
 
+    /// The set of one tier.
     pub fn of(tier: Tier) -> TierMask {
         TierMask(1 << tier as u8)
     }
 
+    /// This set plus `tier`.
     pub fn with(self, tier: Tier) -> TierMask {
         TierMask(self.0 | 1 << tier as u8)
     }
 
+    /// This set without `tier`.
     pub fn without(self, tier: Tier) -> TierMask {
         TierMask(self.0 & !(1 << tier as u8))
     }
 
+    /// Whether `tier` is in the set.
     pub fn contains(self, tier: Tier) -> bool {
         self.0 & (1 << tier as u8) != 0
     }
 
+    /// Whether no tier is in the set.
     pub fn is_empty(self) -> bool {
         self.0 & 0b111 == 0
     }
@@ -49,19 +55,17 @@ impl TierMask {
 }
 
 /// Who holds one block: the view the walk reads.
-pub trait HolderView {
+///
+/// `K` is what names a block: a [`BlockKey`] for the collector's index, a depth into one
+/// prompt for the filter's lazily hashed view.
+pub trait HolderView<K: Copy = BlockKey> {
     /// Appends every worker holding `key`, with the tiers it holds it in, to `out`.
-    fn holders(&self, key: BlockKey, out: &mut Vec<(WorkerId, TierMask)>);
+    fn holders(&self, key: K, out: &mut Vec<(WorkerId, TierMask)>);
 
     /// Like [`HolderView::holders`], but only the holders among `workers` are needed (others
     /// may be appended too: the walk ignores them). A view that can look workers up faster
     /// than it lists a block's holders overrides this.
-    fn holders_among(
-        &self,
-        key: BlockKey,
-        workers: &[WorkerId],
-        out: &mut Vec<(WorkerId, TierMask)>,
-    ) {
+    fn holders_among(&self, key: K, workers: &[WorkerId], out: &mut Vec<(WorkerId, TierMask)>) {
         let _ = workers;
         self.holders(key, out);
     }
@@ -71,7 +75,9 @@ pub trait HolderView {
 /// (`blocks[Tier::Gpu as usize]` ≤ `blocks[Tier::Cpu]` ≤ `blocks[Tier::Disk]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkerMatch {
+    /// The worker.
     pub worker: WorkerId,
+    /// Leading blocks held per cumulative tier class: GPU, CPU, DISK.
     pub blocks: [u32; 3],
 }
 
@@ -85,14 +91,15 @@ impl WorkerMatch {
 /// Counts of the walk, for metrics and benchmarks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WalkStats {
+    /// Holder reads made.
     pub reads: u32,
 }
 
 /// Finds every worker's longest prefix match of `keys` (a query's block keys, in order).
 /// Workers holding none of the first block are not reported. Results are sorted by worker.
-pub fn longest_matches(
-    view: &impl HolderView,
-    keys: &[BlockKey],
+pub fn longest_matches<K: Copy>(
+    view: &impl HolderView<K>,
+    keys: &[K],
     stats: &mut WalkStats,
 ) -> Vec<WorkerMatch> {
     let mut matches: Vec<WorkerMatch> = Vec::new();
@@ -171,9 +178,9 @@ fn holds_at(mask: TierMask, class: Tier) -> bool {
     mask.best().is_some_and(|best| best <= class)
 }
 
-struct Walk<'a, V> {
+struct Walk<'a, V, K> {
     view: &'a V,
-    keys: &'a [BlockKey],
+    keys: &'a [K],
     matches: &'a mut Vec<WorkerMatch>,
     /// Worker id → index in `matches` (`u32::MAX`: not a candidate).
     slot_of: Vec<u32>,
@@ -185,7 +192,7 @@ struct Walk<'a, V> {
     stats: &'a mut WalkStats,
 }
 
-impl<V: HolderView> Walk<'_, V> {
+impl<K: Copy, V: HolderView<K>> Walk<'_, V, K> {
     /// Every candidate is known to hold depth `lo - 1`; finds which of `lo..=hi` they hold.
     fn bisect(&mut self, lo: usize, hi: usize, candidates: &mut [Candidate]) {
         if candidates.is_empty() || lo > hi {

@@ -16,13 +16,18 @@ pub const DEFAULT_TENANT: &str = "default";
 /// A full scope, as named by registrations, events and requests.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Scope {
+    /// Tenant (`default` when none is given).
     pub tenant: String,
+    /// Base model name.
     pub model: String,
+    /// LoRA adapter, if any.
     pub lora_name: Option<String>,
+    /// Cache salt, if any.
     pub cache_salt: Option<String>,
 }
 
 impl Scope {
+    /// A scope; empty LoRA and salt names count as absent.
     pub fn new(
         tenant: &str,
         model: &str,
@@ -42,6 +47,7 @@ impl Scope {
         }
     }
 
+    /// The scope's id: what block keys are mixed with.
     pub fn id(&self) -> ScopeId {
         ScopeId::of(
             &self.tenant,
@@ -56,6 +62,7 @@ impl Scope {
         hash::seed(self.lora_name.as_deref(), self.cache_salt.as_deref())
     }
 
+    /// The model the scope belongs to.
     pub fn model_key(&self) -> ModelKey {
         ModelKey {
             tenant: self.tenant.clone(),
@@ -119,11 +126,14 @@ pub struct BlockKey(pub u64);
 /// `(tenant_id, model_name)`: the unit that has one block size.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ModelKey {
+    /// Tenant.
     pub tenant: String,
+    /// Model name.
     pub model: String,
 }
 
 impl ModelKey {
+    /// The key of `(tenant, model)`.
     pub fn new(tenant: &str, model: &str) -> Self {
         let tenant = if tenant.is_empty() {
             DEFAULT_TENANT
@@ -138,16 +148,23 @@ impl ModelKey {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why a block size was refused.
 pub enum BlockSizeError {
     #[error("block size must be at least 1 token")]
+    /// A block size of 0 tokens.
     Zero,
     #[error(
         "model {model:?} of tenant {tenant:?} already has block size {existing}, not {requested}"
     )]
+    /// The model already has another block size.
     Conflict {
+        /// The model's tenant.
         tenant: String,
+        /// The model.
         model: String,
+        /// The block size it has.
         existing: u32,
+        /// The block size asked for.
         requested: u32,
     },
 }
@@ -179,6 +196,7 @@ impl BlockSizes {
         }
     }
 
+    /// The block size of `key`, if registered.
     pub fn get(&self, key: &ModelKey) -> Option<u32> {
         self.sizes.get(key).copied()
     }
@@ -188,6 +206,7 @@ impl BlockSizes {
         self.sizes.remove(key)
     }
 
+    /// Every registered model and its block size.
     pub fn iter(&self) -> impl Iterator<Item = (&ModelKey, u32)> {
         self.sizes.iter().map(|(k, &v)| (k, v))
     }

@@ -24,6 +24,7 @@
 pub struct Weights {
     /// Credit per matched block in each tier class: GPU, CPU, DISK.
     pub tiers: [f64; 3],
+    /// Weight of the prefill work in the cost (Dynamo's `overlap_score_weight`).
     pub overlap: f64,
     /// Blocks of cost per request in flight.
     pub request: f64,
@@ -47,6 +48,7 @@ pub struct Candidate {
     pub matched: [u32; 3],
     /// The dp rank holding that match.
     pub dp_rank: u32,
+    /// Requests in flight.
     pub in_flight_requests: u32,
     /// Uncached prompt tokens of the requests in flight: prefill work already queued.
     pub in_flight_prefill_tokens: u64,
@@ -55,7 +57,9 @@ pub struct Candidate {
 /// The decision: indices into the candidate slice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Choice {
+    /// Index of the cheapest candidate.
     pub best: usize,
+    /// Index of the next cheapest, if any.
     pub runner_up: Option<usize>,
     /// The dp rank of `best` that holds its match.
     pub dp_rank: u32,
@@ -65,6 +69,7 @@ pub struct Choice {
 
 /// A source of randomness for tie-breaks; the core has none of its own.
 pub trait Random {
+    /// The next 64 random bits.
     fn next_u64(&mut self) -> u64;
 }
 

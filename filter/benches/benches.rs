@@ -21,11 +21,11 @@
 
 use std::time::Duration;
 
-use kvroute::bucket::{self, Keys, Limits, MemStore, Store};
 use kvroute::event::{Tier, WorkerId};
 use kvroute::feed::{Op, Page};
 use kvroute::hash;
 use kvroute::intake::encode_base64_u32;
+use kvroute::mirror::{self, Keys, Limits, MemStore, Store};
 use kvroute::scope::{BlockKey, ScopeId};
 use kvroute_host_test::{bench, built_wasm, CalloutReply, Gateway, Response};
 
@@ -102,7 +102,7 @@ fn index_image(total: usize, prompt: &[u32], distinct: usize) -> Vec<(String, Ve
         cursor: 1,
         ops,
     };
-    bucket::apply_page(&store, &keys, &limits, &page, 0).unwrap();
+    mirror::apply_page(&store, &keys, &limits, &page, 0).unwrap();
     store
         .keys()
         .into_iter()
@@ -128,7 +128,7 @@ fn gateway_with(image: &[(String, Vec<u8>)], with_fuel: bool) -> Gateway {
     gw.prefill_shared_data(image.iter().map(|(k, v)| (k.clone(), v.clone())));
     // The image's sync time is 0 (the epoch); the host clock starts in 2026: fix the state.
     let keys = Keys::new("kvroute");
-    let (mut state, _) = bucket::SyncState::decode(&gw.shared_data(&keys.active()).unwrap().0)
+    let (mut state, _) = mirror::SyncState::decode(&gw.shared_data(&keys.active()).unwrap().0)
         .map(|s| (s, 0))
         .unwrap();
     state.synced_at_ms = gw.now_nanos() / 1_000_000;

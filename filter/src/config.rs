@@ -4,9 +4,10 @@
 //! Every key but `collector.cluster` has a default; see filter/README.md for the table.
 
 use std::fmt;
+use std::time::Duration;
 
-use kvroute::bucket::Limits;
 use kvroute::intake::FieldKind;
+use kvroute::mirror::Limits;
 use kvroute::select::Weights;
 use serde::Deserialize;
 
@@ -300,6 +301,14 @@ impl Sources {
     }
 }
 
+/// Whole milliseconds of `d`, saturating: the unit of the host clock and of the core's
+/// shared-data timestamps.
+// Its callers are the wasm-only contexts; native builds see it only in tests.
+#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// The validated configuration.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -307,18 +316,18 @@ pub struct Config {
     pub cluster: String,
     /// `:authority` of callouts. Default `kvroute-collector`.
     pub authority: String,
-    /// `/query` callout timeout, ms. Default 20.
-    pub query_timeout_ms: u32,
-    /// `/v1/feed` callout timeout, ms. Default 1000.
-    pub feed_timeout_ms: u32,
+    /// `/query` callout timeout (JSON `query_timeout_ms`). Default 20 ms.
+    pub query_timeout: Duration,
+    /// `/v1/feed` callout timeout (JSON `feed_timeout_ms`). Default 1 s.
+    pub feed_timeout: Duration,
     /// Bearer token for the collector's read endpoints. Default none.
     pub read_token: Option<String>,
     /// `local` (default) or `remote`.
     pub mode: Mode,
-    /// Feed pull period, ms. Default 100.
-    pub sync_interval_ms: u32,
-    /// Older index → fail open, ms. Default 5000.
-    pub stale_after_ms: u64,
+    /// Feed pull period (JSON `sync_interval_ms`). Default 100 ms.
+    pub sync_interval: Duration,
+    /// Older index → fail open (JSON `stale_after_ms`). Default 5 s.
+    pub stale_after: Duration,
     /// Shared-data layout sizes (buckets default 16384, max_workers 256,
     /// max_bucket_keys 4096, max_models 1024).
     pub limits: Limits,
@@ -336,8 +345,8 @@ pub struct Config {
     pub dp_rank_header: String,
     /// Optional response header with the decision. Default none.
     pub debug_header: Option<String>,
-    /// Time-to-live of in-flight load counts, ms. Default 120000.
-    pub load_ttl_ms: u64,
+    /// Time-to-live of in-flight load counts (JSON `load.ttl_ms`). Default 120 s.
+    pub load_ttl: Duration,
     pub weights: Weights,
     /// `trace|debug|info|warn|error|critical`. Default `warn`.
     pub log_level: log::LevelFilter,
@@ -516,12 +525,12 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     Ok(Config {
         cluster: raw.collector.cluster,
         authority: raw.collector.authority,
-        query_timeout_ms: raw.collector.query_timeout_ms,
-        feed_timeout_ms: raw.collector.feed_timeout_ms,
+        query_timeout: Duration::from_millis(raw.collector.query_timeout_ms.into()),
+        feed_timeout: Duration::from_millis(raw.collector.feed_timeout_ms.into()),
         read_token: raw.collector.read_token.filter(|t| !t.is_empty()),
         mode: raw.index.mode,
-        sync_interval_ms: raw.index.sync_interval_ms,
-        stale_after_ms: raw.index.stale_after_ms,
+        sync_interval: Duration::from_millis(raw.index.sync_interval_ms.into()),
+        stale_after: Duration::from_millis(raw.index.stale_after_ms),
         limits: Limits {
             buckets_log2: b.trailing_zeros() as u8,
             max_workers: raw.index.max_workers,
@@ -540,7 +549,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             .debug_header
             .filter(|h| !h.is_empty())
             .map(|h| h.to_ascii_lowercase()),
-        load_ttl_ms: raw.load.ttl_ms,
+        load_ttl: Duration::from_millis(raw.load.ttl_ms),
         weights: Weights {
             tiers: [w.gpu, w.cpu, w.disk],
             overlap: w.overlap,
@@ -666,5 +675,26 @@ pub fn domain_matches(pattern: &str, host: &str) -> bool {
         host.starts_with(prefix)
     } else {
         pattern.eq_ignore_ascii_case(host)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn millisecond_keys_become_durations() {
+        let p = parse_plugin(
+            br#"{"collector": {"cluster": "c", "query_timeout_ms": 25},
+                 "index": {"sync_interval_ms": 50}, "load": {"ttl_ms": 1500}}"#,
+        )
+        .unwrap();
+        let c = &p.global;
+        assert_eq!(c.query_timeout, Duration::from_millis(25));
+        assert_eq!(c.feed_timeout, Duration::from_secs(1), "the default");
+        assert_eq!(c.sync_interval, Duration::from_millis(50));
+        assert_eq!(c.stale_after, Duration::from_secs(5), "the default");
+        assert_eq!(millis(c.load_ttl), 1500);
+        assert_eq!(millis(Duration::MAX), u64::MAX, "saturates");
     }
 }

@@ -9,7 +9,7 @@
 use std::ptr::null_mut;
 use std::time::Duration;
 
-use kvroute::bucket::{Store, StoreError};
+use kvroute::mirror::{Store, StoreError};
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
 
 const OK: u32 = 0;
@@ -106,7 +106,8 @@ pub fn now_ms() -> u64 {
     t / 1_000_000
 }
 
-pub fn set_tick_period(ms: u32) -> bool {
+pub fn set_tick_period(period: Duration) -> bool {
+    let ms = u32::try_from(period.as_millis()).unwrap_or(u32::MAX);
     unsafe { proxy_set_tick_period_milliseconds(ms) == OK }
 }
 
@@ -194,16 +195,9 @@ pub fn http_call(
     cluster: &str,
     headers: Vec<(&str, &str)>,
     body: Option<&[u8]>,
-    timeout_ms: u32,
+    timeout: Duration,
 ) -> Option<u32> {
-    proxy_wasm::hostcalls::dispatch_http_call(
-        cluster,
-        headers,
-        body,
-        vec![],
-        Duration::from_millis(timeout_ms as u64),
-    )
-    .ok()
+    proxy_wasm::hostcalls::dispatch_http_call(cluster, headers, body, vec![], timeout).ok()
 }
 
 /// Envoy's shared data.

@@ -3,16 +3,16 @@
 use std::rc::Rc;
 
 use kvroute::api::{QueryRequest, QueryResponse};
-use kvroute::bucket::{self, depth_keys, BucketView, Meta, PrefixView, Store};
 use kvroute::hash;
 use kvroute::intake::{self, Found, IntakeError};
 use kvroute::lookup::{longest_matches, WalkStats};
+use kvroute::mirror::{self, depth_keys, BucketView, LoadId, Meta, PrefixView, Store};
+use kvroute::route;
 use kvroute::scope::ScopeId;
-use kvroute::select::{self, Candidate};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
-use crate::config::{Config, Matcher, Mode, Source, Sources};
+use crate::config::{millis, Config, Mode, Source, Sources};
 use crate::host::{self, HostStore};
 use crate::vm::{Scratch, VmRef};
 use crate::Outcome;
@@ -22,9 +22,6 @@ const MAX_STRING_TOKENS: usize = 1 << 20;
 
 /// The destination header when no configuration is loaded.
 const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
-
-/// Load-table ids of remote-mode instances carry this bit, so they never meet slot ids.
-const REMOTE_ID_BIT: u64 = 1 << 63;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
@@ -67,7 +64,7 @@ pub(crate) struct Http {
     salt: Res<String>,
     outcome: Option<Outcome>,
     /// Load taken at routing: (load-table id, prefill tokens), released in `on_log`.
-    routed: Option<(u64, u32)>,
+    routed: Option<(LoadId, u32)>,
     callout: Option<u32>,
     query_tokens: u32,
     matched_tokens: u32,
@@ -129,58 +126,6 @@ impl Http {
         self.outcome = Some(outcome);
         vm.metrics.count(outcome);
         log::debug!("kvroute[{}]: {}", self.id, outcome.as_str());
-    }
-
-    /// The configuration of this request: a matching Higress rule's, or the global one.
-    fn select_config(vm: &VmRef) -> Rc<Config> {
-        let plugin = &vm.plugin;
-        if plugin.rules.is_empty() {
-            return plugin.global.clone();
-        }
-        let route = || {
-            host::get_property(&["route_name"])
-                .and_then(|v| String::from_utf8(v).ok())
-                .unwrap_or_default()
-        };
-        for (m, cfg) in &plugin.rules {
-            let hit = match m {
-                Matcher::Route(names) => {
-                    let r = route();
-                    names.contains(&r)
-                }
-                Matcher::RoutePrefix(names) => {
-                    let r = route();
-                    names.iter().any(|n| r.starts_with(n.as_str()))
-                }
-                Matcher::Domain(patterns) => {
-                    let authority = host::get_header(MapType::HttpRequestHeaders, ":authority")
-                        .unwrap_or_default();
-                    let authority = String::from_utf8_lossy(&authority);
-                    let hostname = authority.rsplit_once(':').map_or(&*authority, |(h, p)| {
-                        if p.bytes().all(|c| c.is_ascii_digit()) {
-                            h
-                        } else {
-                            &authority
-                        }
-                    });
-                    patterns
-                        .iter()
-                        .any(|p| crate::config::domain_matches(p, hostname))
-                }
-                Matcher::Service(names) => {
-                    let c = host::get_property(&["cluster_name"])
-                        .and_then(|v| String::from_utf8(v).ok())
-                        .unwrap_or_default();
-                    names
-                        .iter()
-                        .any(|n| c == *n || c.ends_with(&format!("||{n}")))
-                }
-            };
-            if hit {
-                return cfg.clone();
-            }
-        }
-        plugin.global.clone()
     }
 
     fn resolve_str(
@@ -342,8 +287,8 @@ impl Http {
     ) -> Action {
         let store = HostStore;
         let now = host::now_ms();
-        let state = match bucket::read_state(&store, &vm.keys) {
-            Ok((s, _)) if !s.is_stale(now, cfg.stale_after_ms) => s,
+        let state = match mirror::read_state(&store, &vm.keys) {
+            Ok((s, _)) if !s.is_stale(now, millis(cfg.stale_after)) => s,
             _ => {
                 self.finish(vm, Outcome::StaleIndex);
                 return Action::Continue;
@@ -374,7 +319,7 @@ impl Http {
             body_tokens,
             str_tokens,
             seqs,
-            keys,
+            depths,
             ..
         } = scratch;
         let tokens: &[u32] = match self.tokens {
@@ -393,12 +338,12 @@ impl Http {
             std::mem::take(seqs),
         );
         let query_blocks = view.blocks();
-        depth_keys(query_blocks, keys);
+        depth_keys(query_blocks, depths);
         let mut stats = WalkStats::default();
         let matches = if query_blocks == 0 {
             Vec::new()
         } else {
-            longest_matches(&view, keys, &mut stats)
+            longest_matches(&view, depths, &mut stats)
         };
         let reads = view.reads();
         *seqs = view.into_seqs();
@@ -408,92 +353,45 @@ impl Http {
             self.finish(vm, Outcome::NoMatch);
             return Action::Continue;
         }
-        // Fold dp ranks: each instance takes its rank with the most credit.
-        let n = cache.instances.len();
-        let mut cands = vec![Candidate::default(); n];
-        let mut best_credit = vec![-1.0f64; n];
-        for m in &matches {
-            let Some(&inst) = cache.slot_instance.get(m.worker.0 as usize) else {
-                continue;
-            };
-            let Some(c) = cands.get_mut(inst as usize) else {
-                continue;
-            };
-            let credit = select::credit(m.blocks, &cfg.weights);
-            if credit > best_credit[inst as usize] {
-                best_credit[inst as usize] = credit;
-                c.matched = m.blocks;
-                c.dp_rank = cache.meta.worker(m.worker.0).map_or(0, |w| w.dp_rank);
-            }
-        }
         let table = load_table(vm);
-        for (i, inst) in cache.instances.iter().enumerate() {
-            let Some(c) = cands.get_mut(i) else { continue };
-            for &(slot, _) in &inst.slots {
-                let l = bucket::load_get(&table, slot as u64 + 1, now, cfg.load_ttl_ms);
-                c.in_flight_requests = c.in_flight_requests.saturating_add(l.requests);
-                c.in_flight_prefill_tokens += l.prefill_tokens as u64;
-            }
-        }
-        // Only the instances serving the request's model compete (a match comes from its
-        // scope anyway; this keeps an idle engine of another model out of the running).
-        let eligible: Vec<usize> = (0..n)
-            .filter(|&i| {
-                cache
-                    .instances
-                    .get(i)
-                    .is_some_and(|inst| inst.serves(tenant, model))
-            })
-            .collect();
-        let eligible_cands: Vec<Candidate> = eligible.iter().map(|&i| cands[i]).collect();
-        let choice = {
-            let Ok(mut rng) = vm.rng.try_borrow_mut() else {
-                self.finish(vm, Outcome::NoMatch);
-                return Action::Continue;
-            };
-            select::pick(
-                &eligible_cands,
-                query_blocks as u32,
-                block_size,
-                &cfg.weights,
-                &mut *rng,
-            )
-            .map(|c| select::Choice {
-                best: eligible[c.best],
-                runner_up: c.runner_up.map(|r| eligible[r]),
-                ..c
-            })
+        let ttl = millis(cfg.load_ttl);
+        let contenders = cache.roster.contenders(
+            &matches,
+            tenant,
+            model,
+            |id| mirror::load_get(&table, id, now, ttl),
+            &cfg.weights,
+        );
+        let query = route::Query {
+            blocks: query_blocks as u32,
+            block_size,
         };
-        let Some(choice) = choice else {
+        let decision = match vm.rng.try_borrow_mut() {
+            Ok(mut rng) => route::decide(&contenders, query, &cfg.weights, &mut *rng),
+            Err(_) => None,
+        };
+        let Some((d, best)) =
+            decision.and_then(|d| cache.roster.instances.get(d.best).map(|b| (d, b)))
+        else {
             self.finish(vm, Outcome::NoMatch);
             return Action::Continue;
         };
-        let Some(best) = cache.instances.get(choice.best) else {
-            self.finish(vm, Outcome::NoMatch);
-            return Action::Continue;
-        };
-        let runner = choice
+        let runner = d
             .runner_up
-            .and_then(|r| cache.instances.get(r))
-            .map(|i| i.address.as_str());
-        let multi_rank = best.slots.len() > 1;
-        let slot = best
-            .slots
-            .iter()
-            .find(|(_, r)| *r == choice.dp_rank)
-            .or(best.slots.first())
-            .map_or(0, |s| s.0);
+            .and_then(|r| cache.roster.instances.get(r))
+            .map(|i| i.address.clone());
+        let dp_rank = best.is_multi_rank().then_some(d.dp_rank);
+        let load_id = LoadId::slot(best.slot_of_rank(d.dp_rank).unwrap_or(0));
         let address = best.address.clone();
-        let runner = runner.map(str::to_owned);
         drop(cache);
         self.route(
             vm,
             cfg,
             &address,
             runner.as_deref(),
-            multi_rank.then_some(choice.dp_rank),
-            slot as u64 + 1,
-            choice.matched_blocks,
+            dp_rank,
+            load_id,
+            d.matched_blocks,
             block_size,
             now,
         );
@@ -508,7 +406,7 @@ impl Http {
         best: &str,
         runner: Option<&str>,
         dp_rank: Option<u32>,
-        load_id: u64,
+        load_id: LoadId,
         matched_blocks: u32,
         block_size: u32,
         now: u64,
@@ -535,7 +433,7 @@ impl Http {
             (matched_blocks as u64 * block_size as u64).min(self.query_tokens as u64) as u32;
         self.matched_tokens = matched;
         let prefill = self.query_tokens - matched;
-        match bucket::load_update(
+        match mirror::load_update(
             &HostStore,
             &vm.keys,
             cfg.limits.max_workers,
@@ -543,7 +441,7 @@ impl Http {
             1,
             prefill as i64,
             now,
-            cfg.load_ttl_ms,
+            millis(cfg.load_ttl),
         ) {
             Ok(true) => self.routed = Some((load_id, prefill)),
             _ => host::increment_metric(vm.metrics.load_errors, 1),
@@ -592,7 +490,7 @@ impl Http {
         if let Some(a) = auth.as_deref() {
             headers.push(("authorization", a));
         }
-        match host::http_call(&cfg.cluster, headers, Some(&body), cfg.query_timeout_ms) {
+        match host::http_call(&cfg.cluster, headers, Some(&body), cfg.query_timeout) {
             Some(token) => {
                 self.callout = Some(token);
                 self.phase = Phase::WaitingCallout;
@@ -631,60 +529,38 @@ impl Http {
             self.finish(vm, Outcome::CollectorError);
             return;
         };
-        let bs = resp.block_size.max(1) as u64;
         let now = host::now_ms();
         let table = load_table(vm);
-        let mut cands = Vec::with_capacity(resp.instances.len());
-        let mut meta = Vec::with_capacity(resp.instances.len());
-        for (id, m) in &resp.instances {
-            let blocks = |t: u64| (t / bs).min(u32::MAX as u64) as u32;
-            let dp_rank =
-                m.dp.iter()
-                    .filter_map(|(r, t)| r.parse::<u32>().ok().map(|r| (r, *t)))
-                    .max_by_key(|(r, t)| (*t, std::cmp::Reverse(*r)))
-                    .map_or(0, |(r, _)| r);
-            let load_id = fnv1a(id.as_bytes()) | REMOTE_ID_BIT;
-            let l = bucket::load_get(&table, load_id, now, cfg.load_ttl_ms);
-            cands.push(Candidate {
-                matched: [
-                    blocks(m.gpu),
-                    blocks(m.cpu),
-                    blocks(m.disk.max(m.longest_matched)),
-                ],
-                dp_rank,
-                in_flight_requests: l.requests,
-                in_flight_prefill_tokens: l.prefill_tokens as u64,
-            });
-            meta.push((m.address.as_str(), load_id, m.dp.len() > 1));
-        }
-        let choice = match vm.rng.try_borrow_mut() {
-            Ok(mut rng) => select::pick(
-                &cands,
-                resp.query_blocks,
-                bs as u32,
-                &cfg.weights,
-                &mut *rng,
-            ),
+        let ttl = millis(cfg.load_ttl);
+        let contenders =
+            route::remote_contenders(&resp, |id| mirror::load_get(&table, id, now, ttl));
+        let only: Vec<route::Contender> = contenders.iter().map(|c| c.0).collect();
+        let query = route::Query {
+            blocks: resp.query_blocks,
+            block_size: resp.block_size.max(1),
+        };
+        let decision = match vm.rng.try_borrow_mut() {
+            Ok(mut rng) => route::decide(&only, query, &cfg.weights, &mut *rng),
             Err(_) => None,
         };
-        let Some(choice) = choice else {
+        // `remote_contenders` keeps the answer's instance order: index i is the i-th entry.
+        let entry = |i: usize| resp.instances.values().nth(i);
+        let Some((d, best, &(_, load_id))) =
+            decision.and_then(|d| Some((d, entry(d.best)?, contenders.get(d.best)?)))
+        else {
             self.finish(vm, Outcome::NoMatch);
             return;
         };
-        let Some(&(address, load_id, multi)) = meta.get(choice.best) else {
-            self.finish(vm, Outcome::NoMatch);
-            return;
-        };
-        let runner = choice.runner_up.and_then(|r| meta.get(r)).map(|m| m.0);
+        let runner = d.runner_up.and_then(entry).map(|m| m.address.as_str());
         self.route(
             vm,
             cfg,
-            address,
+            &best.address,
             runner,
-            multi.then_some(choice.dp_rank),
+            (best.dp.len() > 1).then_some(d.dp_rank),
             load_id,
-            choice.matched_blocks,
-            bs as u32,
+            d.matched_blocks,
+            query.block_size,
             now,
         );
     }
@@ -700,15 +576,6 @@ fn load_table(vm: &VmRef) -> Vec<u8> {
         .ok()
         .and_then(|(v, _)| v)
         .unwrap_or_default()
-}
-
-fn fnv1a(b: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &c in b {
-        h ^= c as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
 }
 
 fn is_json(content_type: &[u8]) -> bool {
@@ -743,7 +610,7 @@ impl HttpContext for Http {
             host::remove_header(MapType::HttpRequestHeaders, DEFAULT_DESTINATION_HEADER);
             return Action::Continue;
         };
-        let cfg = Self::select_config(&vm);
+        let cfg = crate::rules::select_config(&vm);
         self.cfg = Some(cfg.clone());
         // Never let a client choose the upstream, routed or not.
         host::remove_header(MapType::HttpRequestHeaders, &cfg.destination_header);
@@ -840,7 +707,7 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         if let (Some((id, prefill)), Some((vm, cfg))) = (self.routed.take(), self.config()) {
             let now = host::now_ms();
-            if bucket::load_update(
+            if mirror::load_update(
                 &HostStore,
                 &vm.keys,
                 cfg.limits.max_workers,
@@ -848,7 +715,7 @@ impl HttpContext for Http {
                 -1,
                 -(prefill as i64),
                 now,
-                cfg.load_ttl_ms,
+                millis(cfg.load_ttl),
             )
             .is_err()
             {

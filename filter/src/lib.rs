@@ -3,8 +3,8 @@
 //! cargo feature `higress`).
 //!
 //! Glue only: every decision is a call into the core (`kvroute`): token intake
-//! ([`kvroute::intake`]), the shared-data layout and its sync ([`kvroute::bucket`]), hashing,
-//! the longest-match walk ([`kvroute::lookup`]) and the choice ([`kvroute::select`]).
+//! ([`kvroute::intake`]), the shared-data layout and its sync ([`kvroute::mirror`]), hashing,
+//! the longest-match walk ([`kvroute::lookup`]) and the decision ([`kvroute::route`]).
 //!
 //! # Request path
 //!
@@ -14,9 +14,10 @@
 //!    Envoy ≥ 1.35, or the ABI 0.2.100 marker in Higress) and buffer the body up to
 //!    `max_body_bytes` (past it: continue unrouted, `too_large`).
 //! 2. At the end of the body, scan it once for the needed fields.
-//! 3. Local mode: sequence hashes → block keys → bisection over the shared-data buckets →
-//!    per-instance candidates with in-flight load → `select::pick` → headers; remote mode: a
-//!    `/query` callout, then the same choice.
+//! 3. Local mode: a lazily hashed `mirror::PrefixView` → bisection over the shared-data
+//!    buckets (`lookup::longest_matches`) → `route::Roster::contenders` with in-flight load
+//!    → `route::decide` → headers; remote mode: a `/query` callout, then
+//!    `route::remote_contenders` → the same `route::decide`.
 //! 4. `on_log`: release the in-flight load taken at routing, whatever the outcome.
 //!
 //! Every failure fails open: the request continues without the route header and a counter
@@ -25,7 +26,7 @@
 //! # Sync (local mode)
 //!
 //! On each tick one VM holds the lease in shared data and pulls `/v1/feed` from the
-//! collector cluster; [`kvroute::bucket::apply_page`] writes the pages into the bounded
+//! collector cluster; [`kvroute::mirror::apply_page`] writes the pages into the bounded
 //! keyspace. Pages marked `MORE` are pulled at once until `max_blocks_per_tick` block holds
 //! were applied in this tick. Any VM takes over a lapsed lease.
 
@@ -36,6 +37,8 @@ mod host;
 mod http;
 #[cfg(target_arch = "wasm32")]
 mod root;
+#[cfg(target_arch = "wasm32")]
+mod rules;
 #[cfg(target_arch = "wasm32")]
 mod vm;
 

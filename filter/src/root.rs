@@ -3,13 +3,13 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
-use kvroute::bucket::{self, Keys, SyncError};
 use kvroute::feed::Page;
+use kvroute::mirror::{self, Keys, SyncError};
 use kvroute::select::SplitMix64;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, MapType};
 
-use crate::config::{self, Mode};
+use crate::config::{self, millis, Mode};
 use crate::host::{self, HostStore};
 use crate::http::Http;
 use crate::vm::{MetaCache, Metrics, Scratch, Vm, VmRef};
@@ -36,15 +36,16 @@ impl Root {
     }
 
     fn lease_ms(cfg: &config::Config) -> u64 {
-        (cfg.sync_interval_ms as u64 * 3)
-            .max(cfg.feed_timeout_ms as u64 + 2 * cfg.sync_interval_ms as u64)
+        let (sync, feed) = (millis(cfg.sync_interval), millis(cfg.feed_timeout));
+        sync.saturating_mul(3)
+            .max(feed.saturating_add(sync.saturating_mul(2)))
     }
 
     /// Pulls the next feed page.
     fn pull(&mut self, vm: &Vm) {
         let cfg = vm.config();
         let store = HostStore;
-        let query = match bucket::read_state(&store, &vm.keys) {
+        let query = match mirror::read_state(&store, &vm.keys) {
             Ok((s, _)) => s.feed_query(),
             Err(_) => String::new(),
         };
@@ -58,7 +59,7 @@ impl Root {
         if let Some(a) = auth.as_deref() {
             headers.push(("authorization", a));
         }
-        match host::http_call(&cfg.cluster, headers, None, cfg.feed_timeout_ms) {
+        match host::http_call(&cfg.cluster, headers, None, cfg.feed_timeout) {
             Some(token) => self.in_flight = Some((token, host::now_ms())),
             None => {
                 host::increment_metric(vm.metrics.feed_errors, 1);
@@ -107,7 +108,7 @@ impl Root {
         host::increment_metric(vm.metrics.feed_pages, 1);
         let cfg = vm.config();
         let now = host::now_ms();
-        match bucket::apply_page(&HostStore, &vm.keys, &cfg.limits, &page, now) {
+        match mirror::apply_page(&HostStore, &vm.keys, &cfg.limits, &page, now) {
             Ok(applied) => {
                 self.blocks_this_tick += applied.stats.blocks;
                 host::increment_metric(vm.metrics.bucket_full, applied.stats.bucket_full as i64);
@@ -136,7 +137,7 @@ impl Root {
     }
 
     fn report_lag(&self, vm: &Vm) {
-        if let Ok((s, _)) = bucket::read_state(&HostStore, &vm.keys) {
+        if let Ok((s, _)) = mirror::read_state(&HostStore, &vm.keys) {
             let lag = if s.has_index {
                 host::now_ms().saturating_sub(s.synced_at_ms)
             } else {
@@ -188,13 +189,13 @@ impl RootContext for Root {
             .unwrap_or_else(|| "kvroute".to_owned());
         let keys = Keys::new(&name);
         let vm_id =
-            bucket::next_vm_id(&HostStore, &keys).unwrap_or_else(|_| host::now_ms() | 1 << 63);
+            mirror::next_vm_id(&HostStore, &keys).unwrap_or_else(|_| host::now_ms() | 1 << 63);
         let seed = plugin
             .global
             .random_seed
             .unwrap_or(vm_id ^ host::now_ms().rotate_left(17));
         let mode = plugin.global.mode;
-        let interval = plugin.global.sync_interval_ms;
+        let interval = plugin.global.sync_interval;
         self.vm = Some(Rc::new(Vm {
             plugin,
             keys,
@@ -219,13 +220,13 @@ impl RootContext for Root {
         if let Some((_, sent)) = self.in_flight {
             // The host answers every callout (a timeout is an answer); this only guards a
             // host that loses one.
-            if now.saturating_sub(sent) <= cfg.feed_timeout_ms as u64 * 2 + 1000 {
+            if now.saturating_sub(sent) <= millis(cfg.feed_timeout).saturating_mul(2) + 1000 {
                 self.report_lag(&vm);
                 return;
             }
             self.in_flight = None;
         }
-        match bucket::acquire_lease(
+        match mirror::acquire_lease(
             &HostStore,
             &vm.keys,
             vm.vm_id.get(),

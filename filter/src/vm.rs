@@ -3,7 +3,8 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
-use kvroute::bucket::{Keys, Meta};
+use kvroute::mirror::{Depth, Keys, Meta};
+use kvroute::route::Roster;
 use kvroute::select::SplitMix64;
 use proxy_wasm::types::MetricType;
 
@@ -55,73 +56,18 @@ impl Metrics {
     }
 }
 
-/// An instance (one `instance_id`) and its worker slots.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Instance {
-    pub id: String,
-    pub address: String,
-    /// `(slot, dp_rank)` of its live workers.
-    pub slots: Vec<(u32, u32)>,
-    /// `(tenant, model)` its workers are registered for.
-    pub models: Vec<(String, String)>,
-}
-
-impl Instance {
-    /// Whether a request of `(tenant, model)` may go here: an engine serves the models it was
-    /// registered with (a worker registered without one is a candidate for any).
-    pub fn serves(&self, tenant: &str, model: &str) -> bool {
-        self.models
-            .iter()
-            .any(|(t, m)| m.is_empty() || (t == tenant && m == model))
-    }
-}
-
 /// The active generation's meta, decoded once per change, with workers grouped by instance.
 #[derive(Debug, Default)]
 pub(crate) struct MetaCache {
+    /// `(generation, stamp, meta version)` the cache was built from.
     pub key: Option<(u8, u32, u32)>,
     pub meta: Meta,
-    pub instances: Vec<Instance>,
-    /// Slot → index into `instances` (`u32::MAX`: none).
-    pub slot_instance: Vec<u32>,
+    pub roster: Roster,
 }
 
 impl MetaCache {
     pub fn rebuild(&mut self, key: (u8, u32, u32), meta: Meta) {
-        self.instances.clear();
-        self.slot_instance.clear();
-        self.slot_instance.resize(meta.workers.len(), u32::MAX);
-        for (slot, w) in meta.workers.iter().enumerate() {
-            let Some(w) = w else { continue };
-            if !w.live {
-                continue;
-            }
-            let idx = match self.instances.iter().position(|i| i.id == w.instance_id) {
-                Some(i) => i,
-                None => {
-                    self.instances.push(Instance {
-                        id: w.instance_id.clone(),
-                        address: w.address.clone(),
-                        slots: Vec::new(),
-                        models: Vec::new(),
-                    });
-                    self.instances.len() - 1
-                }
-            };
-            if let Some(inst) = self.instances.get_mut(idx) {
-                inst.slots.push((slot as u32, w.dp_rank));
-                if !inst
-                    .models
-                    .iter()
-                    .any(|(t, m)| *t == w.tenant && *m == w.model)
-                {
-                    inst.models.push((w.tenant.clone(), w.model.clone()));
-                }
-            }
-            if let Some(s) = self.slot_instance.get_mut(slot) {
-                *s = idx as u32;
-            }
-        }
+        self.roster = Roster::from_meta(&meta);
         self.meta = meta;
         self.key = Some(key);
     }
@@ -134,7 +80,7 @@ pub(crate) struct Scratch {
     pub body_tokens: Vec<u32>,
     pub str_tokens: Vec<u32>,
     pub seqs: Vec<kvroute::hash::SeqHash>,
-    pub keys: Vec<kvroute::scope::BlockKey>,
+    pub depths: Vec<Depth>,
     pub found: Vec<kvroute::intake::Found>,
 }
 

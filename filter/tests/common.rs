@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvroute::bucket::{self, Keys};
 use kvroute::event::{Tier, WorkerId};
 use kvroute::feed::{Op, Page};
 use kvroute::hash;
+use kvroute::mirror::{self, Keys, LoadId};
 use kvroute::scope::{BlockKey, ScopeId};
 use kvroute_host_test::{built_wasm, Callout, CalloutReply, Gateway, Mode, Outcome, Response};
 
@@ -291,7 +291,7 @@ pub fn in_flight(gw: &Gateway, slot: u32) -> u32 {
         .shared_data(&keys().load())
         .map(|(v, _)| v)
         .unwrap_or_default();
-    bucket::load_get(&table, slot as u64 + 1, u64::MAX, u64::MAX).requests
+    mirror::load_get(&table, LoadId::slot(slot), u64::MAX, u64::MAX).requests
 }
 
 /// The request went on unrouted, the VM is healthy, and the counter says why.

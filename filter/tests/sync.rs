@@ -3,7 +3,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvroute::api::RegisterRequest;
-use kvroute::bucket::Lease;
+use kvroute::mirror::Lease;
 use kvroute_collector::AppState;
 use kvroute_sim::publisher::{Publisher, PublisherConfig};
 use kvroute_sim::wire::{stored, EventFormat};

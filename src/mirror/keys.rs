@@ -1,0 +1,124 @@
+//! The keyspace: the fixed set of shared-data keys one plugin's mirror uses, and the bucket a
+//! block key lives in.
+
+use crate::scope::BlockKey;
+
+/// Version of every value layout below; part of every key name.
+pub const LAYOUT_VERSION: u8 = 2;
+
+/// Most attempts at a compare-and-swap update before giving up (the update is then skipped
+/// and counted by the caller).
+pub const CAS_RETRIES: u32 = 8;
+
+/// Fixed sizes of the layout, from the filter's configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// log2 of the number of buckets per generation (0..=20).
+    pub buckets_log2: u8,
+    /// Worker slots: feed worker ids at or above this are dropped (counted).
+    pub max_workers: u32,
+    /// Distinct block keys one bucket keeps; adds past it are dropped (counted).
+    pub max_bucket_keys: u16,
+    /// Block sizes plus aliases one generation keeps; more are dropped (counted).
+    pub max_models: u16,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            buckets_log2: 14,
+            max_workers: 256,
+            max_bucket_keys: 4096,
+            max_models: 1024,
+        }
+    }
+}
+
+impl Limits {
+    /// Buckets per generation.
+    pub fn buckets(&self) -> u32 {
+        1u32 << self.buckets_log2.min(20)
+    }
+}
+
+/// Key names of one plugin's layout.
+#[derive(Clone, Debug)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    /// The keys of plugin `plugin`.
+    pub fn new(plugin: &str) -> Keys {
+        Keys {
+            prefix: format!("kvroute/{plugin}/v{LAYOUT_VERSION}"),
+        }
+    }
+
+    /// `kvroute/{plugin}/v{LAYOUT_VERSION}`: the start of every key.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The lease key.
+    pub fn lease(&self) -> String {
+        format!("{}/lease", self.prefix)
+    }
+
+    /// The VM-id counter key.
+    pub fn vm_seq(&self) -> String {
+        format!("{}/vmseq", self.prefix)
+    }
+
+    /// The sync-state key.
+    pub fn active(&self) -> String {
+        format!("{}/active", self.prefix)
+    }
+
+    /// The in-flight load table key.
+    pub fn load(&self) -> String {
+        format!("{}/load", self.prefix)
+    }
+
+    /// The meta key of generation `gen` (0 or 1).
+    pub fn meta(&self, gen: u8) -> String {
+        format!("{}/g{}/meta", self.prefix, gen & 1)
+    }
+
+    /// Writes the key of bucket `idx` of generation `gen` into `out` (cleared first), so the
+    /// request path reuses one buffer.
+    pub fn bucket_into(&self, gen: u8, idx: u32, out: &mut String) {
+        // Hand-rolled: this runs for every bucket read of the request path, where `write!`'s
+        // formatting machinery would cost more than the rest of the key.
+        out.clear();
+        out.push_str(&self.prefix);
+        out.push_str(if gen & 1 == 0 { "/g0/b" } else { "/g1/b" });
+        let digits = if idx == 0 {
+            1
+        } else {
+            (32 - idx.leading_zeros()).div_ceil(4)
+        };
+        for i in (0..digits).rev() {
+            let d = (idx >> (i * 4)) & 0xf;
+            out.push(char::from_digit(d, 16).unwrap_or('0'));
+        }
+    }
+
+    /// The key of bucket `idx` of generation `gen`.
+    pub fn bucket(&self, gen: u8, idx: u32) -> String {
+        let mut s = String::new();
+        self.bucket_into(gen, idx, &mut s);
+        s
+    }
+}
+
+/// The bucket of a block key: its top `buckets_log2` bits.
+#[inline]
+pub fn bucket_of(key: BlockKey, buckets_log2: u8) -> u32 {
+    let bits = buckets_log2.min(20);
+    if bits == 0 {
+        0
+    } else {
+        (key.0 >> (64 - bits as u32)) as u32
+    }
+}

@@ -1,0 +1,53 @@
+//! The filter's mirror of the collector's index, in Envoy shared data: a bounded keyspace
+//! holding a copy of the index that every VM of the filter reads.
+//!
+//! Envoy's shared data is one mutex-guarded map per `vm_id` whose keys are never deleted (ABI
+//! 0.2.1 has no delete). So the filter keeps a fixed set of keys, whatever the number of
+//! blocks, scopes and workers that come and go:
+//!
+//! | key | what | file |
+//! |---|---|---|
+//! | `{prefix}/lease` | which VM pulls the feed, until when ([`Lease`]) | `sync.rs` |
+//! | `{prefix}/vmseq` | a counter handing each VM a unique id | `sync.rs` |
+//! | `{prefix}/active` | the sync state: active generation, epoch, cursor, sync time ([`SyncState`]) | `sync.rs` |
+//! | `{prefix}/load` | in-flight requests per worker, with a time-to-live ([`load_get`]) | `load.rs` |
+//! | `{prefix}/g{0,1}/meta` | worker slots, block sizes, aliases of a generation ([`Meta`]) | `meta.rs` |
+//! | `{prefix}/g{0,1}/b{i:x}` | bucket `i` of a generation's block table ([`BucketRef`]) | `buckets.rs` |
+//!
+//! `{prefix}` is `kvroute/{plugin name}/v{LAYOUT_VERSION}` ([`Keys`], `keys.rs`), so two
+//! plugins (or two layouts after an upgrade) on one `vm_id` never read each other's bytes.
+//! The total is `4 + 2 × (1 + buckets)` keys, fixed by configuration.
+//!
+//! A block lives in bucket `key >> (64 - log2(buckets))` (its [`BlockKey`](crate::scope::BlockKey)
+//! is already a hash). Each bucket value carries the *stamp* of the index build it belongs
+//! to: a full resync builds a new stamp into the inactive generation, where every bucket still
+//! holding an older stamp reads as empty, so nothing has to be cleared first, and switching
+//! `active` over swaps the whole index at once.
+//!
+//! The request path reads the mirror through the views of `views.rs` ([`PrefixView`] over
+//! [`BucketView`]); the lease holder writes it with [`apply_page`].
+//!
+//! Everything here is pure: the shared data is reached through the [`Store`] trait
+//! (`store.rs`), which the filter implements over proxy-wasm host calls and tests implement
+//! over a map.
+
+mod buckets;
+mod keys;
+mod load;
+mod meta;
+mod store;
+mod sync;
+mod views;
+
+pub use buckets::{BucketRef, BucketRows};
+pub use keys::{bucket_of, Keys, Limits, CAS_RETRIES, LAYOUT_VERSION};
+pub use load::{load_add, load_get, load_update, Load, LoadId};
+pub use meta::{Alias, ApplyStats, Meta, WorkerSlot};
+pub use store::{MemStore, Store, StoreError};
+pub use sync::{
+    acquire_lease, apply_page, next_vm_id, read_state, Applied, Build, Lease, SyncError, SyncState,
+};
+pub use views::{depth_keys, BucketView, Depth, PrefixView};
+
+#[cfg(test)]
+mod tests;
