@@ -514,11 +514,17 @@ mod tests {
         };
         assert!(matches!(
             parse(&["--admin-token", ""]),
-            Err(ConfigError::Value { flag: "admin-token", .. })
+            Err(ConfigError::Value {
+                flag: "admin-token",
+                ..
+            })
         ));
         assert!(matches!(
             parse(&["--read-token", " "]),
-            Err(ConfigError::Value { flag: "read-token", .. })
+            Err(ConfigError::Value {
+                flag: "read-token",
+                ..
+            })
         ));
         assert!(matches!(
             parse(&["--listen", "0.0.0.0:9090"]),

@@ -288,8 +288,7 @@ pub async fn serve(
         shutdown_timeout: shared.config.shutdown_timeout,
     };
     let refused = shared.metrics.http_connections_refused.clone();
-    let result =
-        server::serve_http(listener, app(shared.clone()), limits, refused, shutdown).await;
+    let result = server::serve_http(listener, app(shared.clone()), limits, refused, shutdown).await;
     if let Some(task) = snapshots {
         task.abort();
     }

@@ -101,24 +101,25 @@ pub async fn serve_http(
     Ok(())
 }
 
-/// Answers 503 JSON without reading the request, then closes.
+/// Answers 503 JSON without parsing the request, then closes.
 fn refuse(mut stream: TcpStream, refusing: &Arc<Semaphore>) {
+    const BODY: &str = r#"{"error":"too many connections; retry later"}"#;
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{BODY}",
+        BODY.len()
+    );
+    // A fresh socket's send buffer takes this whole: no waiting on a hostile reader.
+    let _ = stream.try_write(answer.as_bytes());
+    // Closing with unread input sends RST, which can destroy the answer in flight: take what
+    // already arrived, and, while few refusals are pending, what comes in the next moment.
+    let mut sink = [0u8; 4096];
+    while stream.try_read(&mut sink).is_ok_and(|n| n > 0) {}
     let Ok(permit) = refusing.clone().try_acquire_owned() else {
         return;
     };
     tokio::spawn(async move {
-        let body = r#"{"error":"too many connections; retry later"}"#;
-        let head = format!(
-            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
-            body.len()
-        );
         let _ = tokio::time::timeout(REFUSE_LINGER, async {
-            stream.write_all(head.as_bytes()).await?;
-            stream.write_all(body.as_bytes()).await?;
             stream.shutdown().await?;
-            // Closing with unread input sends RST, which may destroy the answer in flight:
-            // read what the client sent until it closes or the linger ends.
-            let mut sink = [0u8; 1024];
             while stream.read(&mut sink).await? > 0 {}
             Ok::<_, std::io::Error>(())
         })

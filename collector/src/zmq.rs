@@ -35,7 +35,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -73,12 +73,6 @@ const POLL: Duration = Duration::from_millis(50);
 /// retry (a protocol error: a frame over `ZMQ_MAXMSGSIZE`, malformed ZMTP) has nothing after
 /// it. This is how long the socket thread waits to tell the two apart.
 const RETRY_EVENT_GRACE: Duration = Duration::from_millis(300);
-
-/// The process's one libzmq context (its I/O thread serves every socket).
-fn context() -> &'static zmq::Context {
-    static CTX: OnceLock<zmq::Context> = OnceLock::new();
-    CTX.get_or_init(zmq::Context::new)
-}
 
 /// One message off the wire: transport only, no parsing of the payload.
 #[derive(Clone, Debug)]
@@ -132,11 +126,12 @@ impl SocketLimits {
 }
 
 /// Asks the engine's replay socket for every buffered batch with `seq >= start`, on a blocking
-/// thread; `stop` ends it early.
+/// thread; `stop` ends it early. `ctx` is the worker's own libzmq context (see [`Subscriber`]).
 ///
 /// # Errors
 /// Connection or protocol failure, no end marker within `timeout`, or `stop` set.
 pub async fn replay(
+    ctx: zmq::Context,
     endpoint: &str,
     start: u64,
     timeout: Duration,
@@ -144,12 +139,15 @@ pub async fn replay(
     stop: Arc<AtomicBool>,
 ) -> Result<Vec<RawBatch>, ReplayError> {
     let endpoint = endpoint.to_owned();
-    tokio::task::spawn_blocking(move || replay_blocking(&endpoint, start, timeout, limits, &stop))
-        .await
-        .map_err(|e| ReplayError::Join(e.to_string()))?
+    tokio::task::spawn_blocking(move || {
+        replay_blocking(&ctx, &endpoint, start, timeout, limits, &stop)
+    })
+    .await
+    .map_err(|e| ReplayError::Join(e.to_string()))?
 }
 
 fn replay_blocking(
+    ctx: &zmq::Context,
     endpoint: &str,
     start: u64,
     timeout: Duration,
@@ -157,7 +155,7 @@ fn replay_blocking(
     stop: &AtomicBool,
 ) -> Result<Vec<RawBatch>, ReplayError> {
     let until = std::time::Instant::now() + timeout;
-    let dealer = context().socket(zmq::DEALER)?;
+    let dealer = ctx.socket(zmq::DEALER)?;
     limits.apply(&dealer)?;
     dealer.connect(endpoint)?;
     // The pipe exists from connect() on (no ZMQ_IMMEDIATE), so this queues rather than blocks.
@@ -229,10 +227,36 @@ impl Drop for StopOnDrop {
     }
 }
 
+/// Owns a worker's context; terminating a context waits for its I/O thread (possibly inside a
+/// slow DNS lookup), so the last reference is never dropped on an async worker thread.
+struct OwnedContext(Option<zmq::Context>);
+
+impl OwnedContext {
+    fn get(&self) -> zmq::Context {
+        self.0.clone().unwrap_or_default()
+    }
+}
+
+impl Drop for OwnedContext {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.0.take() {
+            let _ = std::thread::Builder::new()
+                .name("kvroute-zmq-term".into())
+                .spawn(move || drop(ctx));
+        }
+    }
+}
+
 /// The socket thread of one worker: SUB plus its monitor, rebuilt after a protocol error
 /// (libzmq gives up on such a peer) with growing backoff. Returns when `stop` is set or the
 /// async side is gone.
-fn pump(endpoint: &str, limits: SocketLimits, tx: &mpsc::Sender<Wire>, stop: &AtomicBool) {
+fn pump(
+    ctx: &zmq::Context,
+    endpoint: &str,
+    limits: SocketLimits,
+    tx: &mpsc::Sender<Wire>,
+    stop: &AtomicBool,
+) {
     static MONITORS: AtomicU64 = AtomicU64::new(0);
     let mut backoff = Duration::from_millis(u64::from(RECONNECT_IVL_MS.unsigned_abs()));
     let max_backoff = Duration::from_millis(u64::from(RECONNECT_IVL_MAX_MS.unsigned_abs()));
@@ -241,7 +265,7 @@ fn pump(endpoint: &str, limits: SocketLimits, tx: &mpsc::Sender<Wire>, stop: &At
             "inproc://kvroute-monitor-{}",
             MONITORS.fetch_add(1, Ordering::Relaxed)
         );
-        match session(endpoint, limits, &monitor, tx, stop) {
+        match session(ctx, endpoint, limits, &monitor, tx, stop) {
             Ok(Ended::Stopped) => return,
             Ok(Ended::ProtocolError { had_handshake }) => {
                 if tx.blocking_send(Wire::ProtocolError).is_err() {
@@ -271,13 +295,13 @@ enum Ended {
 }
 
 fn session(
+    ctx: &zmq::Context,
     endpoint: &str,
     limits: SocketLimits,
     monitor_addr: &str,
     tx: &mpsc::Sender<Wire>,
     stop: &AtomicBool,
 ) -> Result<Ended, zmq::Error> {
-    let ctx = context();
     let sub = ctx.socket(zmq::SUB)?;
     limits.apply(&sub)?;
     let events = [
@@ -390,6 +414,9 @@ pub struct Subscriber {
     replay_endpoint: Option<String>,
     seq: Seq,
     limits: SocketLimits,
+    /// This worker's own libzmq context: libzmq resolves host names on its I/O thread, so a
+    /// slow DNS answer for one engine must not stall the others.
+    ctx: OwnedContext,
     /// Set when this subscriber is dropped: ends its socket thread and any replay.
     stop: Arc<AtomicBool>,
 }
@@ -417,6 +444,7 @@ impl Subscriber {
                 recent: VecDeque::new(),
             },
             limits,
+            ctx: OwnedContext(Some(zmq::Context::new())),
             stop: Arc::new(AtomicBool::new(false)),
         })
     }
@@ -426,9 +454,10 @@ impl Subscriber {
         let _stop = StopOnDrop(self.stop.clone());
         let (tx, mut rx) = mpsc::channel(CHANNEL_BATCHES);
         let (endpoint, limits, stop) = (self.endpoint.clone(), self.limits, self.stop.clone());
+        let ctx = self.ctx.get();
         let spawned = std::thread::Builder::new()
             .name("kvroute-zmq-sub".into())
-            .spawn(move || pump(&endpoint, limits, &tx, &stop));
+            .spawn(move || pump(&ctx, &endpoint, limits, &tx, &stop));
         if let Err(e) = spawned {
             error!(endpoint = %self.endpoint, error = %e, "cannot start the ZMQ socket thread");
             return;
@@ -563,7 +592,15 @@ impl Subscriber {
             return;
         };
         let timeout = self.shared.config.replay_timeout;
-        let outcome = match replay(&endpoint, start, timeout, self.limits, self.stop.clone()).await
+        let outcome = match replay(
+            self.ctx.get(),
+            &endpoint,
+            start,
+            timeout,
+            self.limits,
+            self.stop.clone(),
+        )
+        .await
         {
             Ok(batches) => {
                 let n = batches.len();
