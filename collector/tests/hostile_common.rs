@@ -8,7 +8,12 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_kvroute-collector");
+/// The binary under test; `KVROUTE_COLLECTOR_BIN` overrides it (a target dir shared by several
+/// checkouts may hold another checkout's build under the uplifted name).
+pub fn bin() -> String {
+    std::env::var("KVROUTE_COLLECTOR_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvroute-collector").to_owned())
+}
 
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -28,7 +33,7 @@ impl Collector {
     /// Starts the binary on a free port with `args` and waits for `/health`.
     pub fn start(args: &[&str]) -> Collector {
         let addr = format!("127.0.0.1:{}", free_port());
-        let child = Command::new(BIN)
+        let child = Command::new(bin())
             .args(["--listen", &addr])
             .args(args)
             .stdout(Stdio::null())

@@ -127,7 +127,7 @@ fn oversized_heads_get_431_and_414_json() {
 }
 
 fn refused_at_start(args: &[&str]) -> String {
-    let out = Command::new(BIN)
+    let out = Command::new(bin())
         .args(args)
         .stdin(Stdio::null())
         .output()
@@ -152,7 +152,7 @@ fn auth_cannot_be_switched_off_by_accident() {
     assert!(err.contains("--insecure-no-auth"), "{err}");
 
     // Explicitly insecure: starts, and says so in the log.
-    let mut child = Command::new(BIN)
+    let mut child = Command::new(bin())
         .args(["--listen", &open, "--insecure-no-auth"])
         .env("RUST_LOG", "kvroute_collector=info")
         .stdout(Stdio::piped())

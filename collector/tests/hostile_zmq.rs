@@ -101,6 +101,8 @@ async fn hostile_publishers_cost_their_connection_not_the_process() {
     let limit = LIMIT.to_string();
     let mut c = tokio::task::block_in_place(|| {
         Collector::start(&[
+            "--default-serving-port",
+            "8000",
             "--max-zmq-message-bytes",
             &limit,
             "--worker",
