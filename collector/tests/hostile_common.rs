@@ -42,7 +42,7 @@ impl Collector {
             .unwrap();
         let c = Collector { child, addr };
         let until = Instant::now() + Duration::from_secs(20);
-        while !c.get("/health").is_some_and(|r| r.status == 200) {
+        while c.get("/health").is_none_or(|r| r.status != 200) {
             assert!(Instant::now() < until, "collector did not come up");
             std::thread::sleep(Duration::from_millis(50));
         }
