@@ -5,8 +5,10 @@
 //! libzmq enforces what a hostile or broken peer must not get past: `ZMQ_MAXMSGSIZE`
 //! (`--max-zmq-message-bytes`) is checked on the frame header before anything is allocated, and
 //! `ZMQ_RCVHWM` bounds the queue. A peer over the limit is disconnected by libzmq, counted
-//! (`kvroute_zmq_protocol_errors`) and reconnected to with backoff; the process is never at risk.
-//! libzmq sockets block, so each worker's SUB socket lives on a thread of its own ([`pump`])
+//! (`kvroute_zmq_protocol_errors_total`) and reconnected to with backoff; the process is never
+//! at risk. The limit is per frame (libzmq's semantics): a message of endlessly many small frames
+//! is not bounded by it. libzmq sockets block, so each worker's SUB socket lives on a thread of
+//! its own (`pump`)
 //! that polls with a short timeout and hands messages to the async side through a bounded
 //! channel; dropping the subscriber (unregistration, shutdown) stops the thread within one poll.
 //!
