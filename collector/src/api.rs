@@ -20,6 +20,7 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
+use crate::edge;
 use crate::hub::{HubError, Registered};
 use crate::metrics::{EndpointLabels, FeedLabels};
 use crate::AppState;
@@ -76,6 +77,11 @@ impl From<HubError> for ApiError {
 
 /// Builds the router over a collector state.
 pub fn app(state: AppState) -> Router {
+    let limits = edge::RequestLimits {
+        max_body_bytes: state.config.max_body_bytes,
+        body_read_timeout: state.config.body_read_timeout,
+        request_timeout: REQUEST_TIMEOUT,
+    };
     let admin = Router::new()
         .route("/register", post(register))
         .route("/unregister", post(unregister))
@@ -95,14 +101,13 @@ pub fn app(state: AppState) -> Router {
         .merge(open)
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
-        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
-            StatusCode::REQUEST_TIMEOUT,
-            REQUEST_TIMEOUT,
-        ))
+        .layer(middleware::from_fn_with_state(limits, edge::deadline))
         .layer(middleware::from_fn(log_server_errors))
         .layer(tower::limit::ConcurrencyLimitLayer::new(
             state.config.max_concurrent_requests,
         ))
+        // Outermost: a slow upload must not hold a request slot.
+        .layer(middleware::from_fn_with_state(limits, edge::read_request))
         .with_state(state)
 }
 

@@ -82,6 +82,24 @@ pub struct Cli {
     /// Most HTTP requests served at once [default: 1024].
     #[arg(long, value_name = "N")]
     pub max_concurrent_requests: Option<usize>,
+    /// Most HTTP connections open at once; more are answered 503 and closed at once [default: 512].
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
+    /// How long a client may take to send a request's headers, seconds [default: 10].
+    #[arg(long, value_name = "SECS")]
+    pub header_read_timeout_secs: Option<f64>,
+    /// How long a client may take to send a request's body, seconds; then 408 [default: 10].
+    #[arg(long, value_name = "SECS")]
+    pub body_read_timeout_secs: Option<f64>,
+    /// On SIGTERM, how long in-flight requests may run before they are cut and the final snapshot is written, seconds [default: 10].
+    #[arg(long, value_name = "SECS")]
+    pub shutdown_timeout_secs: Option<f64>,
+    /// Largest ZMQ frame taken from an engine (ZMQ_MAXMSGSIZE); a publisher sending more is disconnected and counted [default: 8388608].
+    #[arg(long, value_name = "BYTES")]
+    pub max_zmq_message_bytes: Option<usize>,
+    /// Allow a non-loopback --listen without --admin-token (anyone who reaches it may /register).
+    #[arg(long)]
+    pub insecure_no_auth: bool,
 }
 
 /// The `--config` file.
@@ -104,6 +122,13 @@ pub struct FileConfig {
     pub replay_timeout_secs: Option<f64>,
     pub snapshot_interval_secs: Option<f64>,
     pub max_concurrent_requests: Option<usize>,
+    pub max_connections: Option<usize>,
+    pub header_read_timeout_secs: Option<f64>,
+    pub body_read_timeout_secs: Option<f64>,
+    pub shutdown_timeout_secs: Option<f64>,
+    pub max_zmq_message_bytes: Option<usize>,
+    #[serde(default)]
+    pub insecure_no_auth: bool,
 }
 
 /// The validated settings.
@@ -128,6 +153,16 @@ pub struct Config {
     pub replay_timeout: Duration,
     pub snapshot_interval: Duration,
     pub max_concurrent_requests: usize,
+    /// Open HTTP connections at most; the excess is refused with 503.
+    pub max_connections: usize,
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    /// Bound on graceful shutdown before the final snapshot.
+    pub shutdown_timeout: Duration,
+    /// `ZMQ_MAXMSGSIZE` of every socket towards an engine.
+    pub max_zmq_message_bytes: usize,
+    /// A non-loopback listener without an admin token was asked for explicitly.
+    pub insecure_no_auth: bool,
 }
 
 impl Default for Config {
@@ -149,6 +184,14 @@ impl Default for Config {
             replay_timeout: Duration::from_secs(5),
             snapshot_interval: Duration::from_secs(30),
             max_concurrent_requests: 1024,
+            // Below the usual soft limit of 1024 descriptors, leaving room for engine sockets.
+            max_connections: 512,
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(10),
+            // A real engine batch is a few KiB; vLLM's largest is far under this.
+            max_zmq_message_bytes: 8 << 20,
+            insecure_no_auth: false,
         }
     }
 }
@@ -161,6 +204,8 @@ pub enum ConfigError {
     Worker { spec: String, msg: String },
     #[error("--{flag}: {msg}")]
     Value { flag: &'static str, msg: String },
+    #[error("--listen {listen} is not loopback and no --admin-token is set: anyone who reaches it could /register endpoints; set --admin-token, or pass --insecure-no-auth to accept that")]
+    OpenWithoutAuth { listen: SocketAddr },
 }
 
 impl Cli {
@@ -207,6 +252,33 @@ impl Cli {
                     Some(n) => Ok(n),
                 }
             };
+        let positive_secs = |flag: &'static str,
+                             v: Option<f64>,
+                             default: Duration|
+         -> Result<Duration, ConfigError> {
+            match secs(flag, v, default)? {
+                d if d.is_zero() => Err(ConfigError::Value {
+                    flag,
+                    msg: "must be more than 0".into(),
+                }),
+                d => Ok(d),
+            }
+        };
+        // An empty token would switch auth off without anyone noticing.
+        let token = |flag: &'static str, v: Option<String>| match v {
+            Some(t) if t.trim().is_empty() => Err(ConfigError::Value {
+                flag,
+                msg: "empty token; leave the setting out for no token".into(),
+            }),
+            v => Ok(v),
+        };
+        let admin_token = token("admin-token", self.admin_token.or(file.admin_token))?;
+        let read_token = token("read-token", self.read_token.or(file.read_token))?;
+        let listen = self.listen.or(file.listen).unwrap_or(d.listen);
+        let insecure_no_auth = self.insecure_no_auth || file.insecure_no_auth;
+        if !listen.ip().is_loopback() && admin_token.is_none() && !insecure_no_auth {
+            return Err(ConfigError::OpenWithoutAuth { listen });
+        }
         let mut specs = file.worker.clone();
         specs.extend(self.workers.iter().cloned());
         let workers = specs
@@ -219,15 +291,9 @@ impl Cli {
             d.max_blocks_per_worker,
         )?;
         Ok(Config {
-            listen: self.listen.or(file.listen).unwrap_or(d.listen),
-            admin_token: self
-                .admin_token
-                .or(file.admin_token)
-                .filter(|t| !t.is_empty()),
-            read_token: self
-                .read_token
-                .or(file.read_token)
-                .filter(|t| !t.is_empty()),
+            listen,
+            admin_token,
+            read_token,
             state_dir: self.state_dir.or(file.state_dir),
             default_serving_port: self.default_serving_port.or(file.default_serving_port),
             workers,
@@ -274,6 +340,33 @@ impl Cli {
                     .or(file.max_concurrent_requests),
                 d.max_concurrent_requests,
             )?,
+            max_connections: positive(
+                "max-connections",
+                self.max_connections.or(file.max_connections),
+                d.max_connections,
+            )?,
+            header_read_timeout: positive_secs(
+                "header-read-timeout-secs",
+                self.header_read_timeout_secs
+                    .or(file.header_read_timeout_secs),
+                d.header_read_timeout,
+            )?,
+            body_read_timeout: positive_secs(
+                "body-read-timeout-secs",
+                self.body_read_timeout_secs.or(file.body_read_timeout_secs),
+                d.body_read_timeout,
+            )?,
+            shutdown_timeout: positive_secs(
+                "shutdown-timeout-secs",
+                self.shutdown_timeout_secs.or(file.shutdown_timeout_secs),
+                d.shutdown_timeout,
+            )?,
+            max_zmq_message_bytes: positive(
+                "max-zmq-message-bytes",
+                self.max_zmq_message_bytes.or(file.max_zmq_message_bytes),
+                d.max_zmq_message_bytes,
+            )?,
+            insecure_no_auth,
         })
     }
 }
@@ -410,6 +503,40 @@ mod tests {
         let cli =
             Cli::try_parse_from(["kvroute-collector", "--config", path.to_str().unwrap()]).unwrap();
         assert!(matches!(cli.into_config(), Err(ConfigError::File { .. })));
+    }
+
+    #[test]
+    fn auth_cannot_be_switched_off_by_accident() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["kvroute-collector"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(all).unwrap().into_config()
+        };
+        assert!(matches!(
+            parse(&["--admin-token", ""]),
+            Err(ConfigError::Value {
+                flag: "admin-token",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&["--read-token", " "]),
+            Err(ConfigError::Value {
+                flag: "read-token",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&["--listen", "0.0.0.0:9090"]),
+            Err(ConfigError::OpenWithoutAuth { .. })
+        ));
+        assert!(parse(&["--listen", "0.0.0.0:9090", "--admin-token", "t"]).is_ok());
+        let c = parse(&["--listen", "0.0.0.0:9090", "--insecure-no-auth"]).unwrap();
+        assert!(c.insecure_no_auth && c.admin_token.is_none());
+        assert!(matches!(
+            parse(&["--header-read-timeout-secs", "0"]),
+            Err(ConfigError::Value { .. })
+        ));
     }
 
     #[test]

@@ -12,6 +12,8 @@
 //! - [`hub`]: the state behind one lock: worker table, index, feed log; apply and query.
 //! - [`feedlog`]: the bounded delta log and paged snapshots of `/v1/feed`.
 //! - [`api`]: the axum handlers, `app(state) -> Router`; [`fastjson`]: the `/query` body fast path.
+//! - [`server`]: accept loop, connection cap, header timeout, bounded shutdown; [`edge`]:
+//!   per-request size limits and deadlines.
 //! - [`state`]: `--state-dir` snapshots.
 //! - [`config`]: command line and config file.
 //!
@@ -22,10 +24,12 @@ pub mod api;
 pub mod chunk;
 pub mod config;
 pub mod decode;
+pub mod edge;
 pub mod fastjson;
 pub mod feedlog;
 pub mod hub;
 pub mod metrics;
+pub mod server;
 pub mod state;
 
 pub mod zmq;
@@ -276,9 +280,13 @@ pub async fn serve(
         })
     });
     info!(addr = %listener.local_addr()?, "serving");
-    let result = axum::serve(listener, app(shared.clone()))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let limits = server::ServerLimits {
+        max_connections: shared.config.max_connections,
+        header_read_timeout: shared.config.header_read_timeout,
+        shutdown_timeout: shared.config.shutdown_timeout,
+    };
+    let refused = shared.metrics.http_connections_refused.clone();
+    let result = server::serve_http(listener, app(shared.clone()), limits, refused, shutdown).await;
     if let Some(task) = snapshots {
         task.abort();
     }

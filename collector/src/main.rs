@@ -15,6 +15,15 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let config = Cli::parse().into_config()?;
+    if !config.listen.ip().is_loopback() {
+        if config.admin_token.is_none() {
+            // Only reachable with --insecure-no-auth (into_config refuses otherwise).
+            tracing::warn!(listen = %config.listen, "--insecure-no-auth: listening beyond loopback without an admin token; anyone who reaches this port can /register and /unregister workers");
+        }
+        if config.read_token.is_none() {
+            tracing::warn!(listen = %config.listen, "listening beyond loopback without a read token: /query, /workers and /v1/feed are open");
+        }
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;

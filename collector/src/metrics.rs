@@ -98,6 +98,11 @@ pub struct Metrics {
     pub feed_requests: Family<FeedLabels, Counter>,
     /// Bytes served by `/v1/feed`.
     pub feed_bytes: Counter,
+    /// Engine connections libzmq dropped for a protocol error (a frame over
+    /// `--max-zmq-message-bytes`, malformed ZMTP), by worker.
+    pub zmq_protocol_errors: Family<WorkerLabels, Counter>,
+    /// HTTP connections refused at the `--max-connections` cap.
+    pub http_connections_refused: Counter,
 }
 
 impl Default for Metrics {
@@ -127,6 +132,8 @@ impl Metrics {
             query_seconds: Family::new_with_constructor(query_histogram as fn() -> Histogram),
             feed_requests: Family::default(),
             feed_bytes: Counter::default(),
+            zmq_protocol_errors: Family::default(),
+            http_connections_refused: Counter::default(),
         };
         registry.register(
             "events",
@@ -203,6 +210,16 @@ impl Metrics {
             "feed_bytes",
             "Bytes served by /v1/feed",
             m.feed_bytes.clone(),
+        );
+        registry.register(
+            "zmq_protocol_errors",
+            "Engine connections dropped for a protocol error (frame over the size limit, malformed ZMTP), by worker",
+            m.zmq_protocol_errors.clone(),
+        );
+        registry.register(
+            "http_connections_refused",
+            "HTTP connections refused at the connection cap",
+            m.http_connections_refused.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -1,5 +1,16 @@
-//! Stage 1 of the data path: one task per registered worker subscribes to the engine's ZMQ
-//! publisher (`zeromq` crate, pure Rust) and feeds the hub in sequence order.
+//! Stage 1 of the data path: one subscriber per registered worker reads the engine's ZMQ
+//! publisher through libzmq (the `zmq` crate, the library vLLM's pyzmq uses) and feeds the hub
+//! in sequence order.
+//!
+//! libzmq enforces what a hostile or broken peer must not get past: `ZMQ_MAXMSGSIZE`
+//! (`--max-zmq-message-bytes`) is checked on the frame header before anything is allocated, and
+//! `ZMQ_RCVHWM` bounds the queue. A peer over the limit is disconnected by libzmq, counted
+//! (`kvroute_zmq_protocol_errors_total`) and reconnected to with backoff; the process is never
+//! at risk. The limit is per frame (libzmq's semantics): a message of endlessly many small frames
+//! is not bounded by it. libzmq sockets block, so each worker's SUB socket lives on a thread of
+//! its own (`pump`)
+//! that polls with a short timeout and hands messages to the async side through a bounded
+//! channel; dropping the subscriber (unregistration, shutdown) stops the thread within one poll.
 //!
 //! Messages are 3 frames `[topic, seq u64 BE, msgpack batch]` ([`RawBatch`] after framing
 //! checks). Per worker the task tracks the last applied sequence number:
@@ -16,25 +27,25 @@
 //!
 //! On connect, a worker with a replay endpoint is replayed from `last + 1` (from 0 when new):
 //! this recovers what the engine published before the registration, or while the collector was
-//! down (`--state-dir`). The SUB socket reconnects by itself (with backoff) when the publisher
-//! goes away and comes back on the same address; the monitor's events drive the worker's
-//! `connected` status, and a worker disconnected longer than `keep_disconnected` loses its
-//! blocks.
+//! down (`--state-dir`), and again after every reconnection. The SUB socket reconnects by itself
+//! (`ZMQ_RECONNECT_IVL`/`_MAX`) when the publisher goes away and comes back on the same
+//! address; the monitor's events drive the worker's `connected` status, and a worker
+//! disconnected longer than `keep_disconnected` loses its blocks.
 //!
 //! A message that does not frame or decode costs that message (counted and logged), never the
 //! task.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::StreamExt;
 use kvroute::event::WorkerId;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 use xxhash_rust::xxh3::xxh3_64;
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use crate::metrics::{OutcomeLabels, WorkerLabels};
 use crate::Shared;
@@ -45,6 +56,25 @@ const RECENT: usize = 4096;
 
 /// Most batches one replay may bring (vLLM buffers 10,000 steps by default).
 const MAX_REPLAY_BATCHES: usize = 100_000;
+
+/// Messages libzmq queues per socket before the publisher drops (a gap, repaired by replay).
+/// With `--max-zmq-message-bytes` this bounds a worker's queued bytes.
+pub const RCVHWM: i32 = 1000;
+
+/// Batches in flight between a worker's socket thread and its async task.
+const CHANNEL_BATCHES: usize = 64;
+
+/// First and longest wait between reconnection attempts, ms.
+const RECONNECT_IVL_MS: i32 = 100;
+const RECONNECT_IVL_MAX_MS: i32 = 5000;
+
+/// How often a socket thread looks at its stop flag.
+const POLL: Duration = Duration::from_millis(50);
+
+/// libzmq follows a disconnection it will retry with `CONNECT_RETRIED` at once; one it will not
+/// retry (a protocol error: a frame over `ZMQ_MAXMSGSIZE`, malformed ZMTP) has nothing after
+/// it. This is how long the socket thread waits to tell the two apart.
+const RETRY_EVENT_GRACE: Duration = Duration::from_millis(300);
 
 /// One message off the wire: transport only, no parsing of the payload.
 #[derive(Clone, Debug)]
@@ -71,62 +101,288 @@ pub enum ReplayError {
     #[error("replay timed out")]
     Timeout,
     #[error("replay socket: {0}")]
-    Socket(#[from] zeromq::ZmqError),
+    Socket(#[from] zmq::Error),
     #[error("replay brought more than {MAX_REPLAY_BATCHES} batches")]
     TooMany,
+    #[error("replay stopped: subscriber shut down")]
+    Stopped,
+    #[error("replay thread failed: {0}")]
+    Join(String),
 }
 
-/// Asks the engine's replay socket for every buffered batch with `seq >= start`.
+/// Limits applied to every socket the collector opens towards an engine.
+#[derive(Clone, Copy, Debug)]
+pub struct SocketLimits {
+    /// `ZMQ_MAXMSGSIZE`: largest frame, bytes.
+    pub max_message_bytes: usize,
+}
+
+impl SocketLimits {
+    fn apply(self, s: &zmq::Socket) -> Result<(), zmq::Error> {
+        s.set_linger(0)?;
+        s.set_maxmsgsize(i64::try_from(self.max_message_bytes).unwrap_or(i64::MAX))?;
+        s.set_rcvhwm(RCVHWM)?;
+        s.set_reconnect_ivl(RECONNECT_IVL_MS)?;
+        s.set_reconnect_ivl_max(RECONNECT_IVL_MAX_MS)
+    }
+}
+
+/// Asks the engine's replay socket for every buffered batch with `seq >= start`, on a blocking
+/// thread; `stop` ends it early. `ctx` is the worker's own libzmq context (see [`Subscriber`]).
 ///
 /// # Errors
-/// Connection or protocol failure, or no end marker within `timeout`.
+/// Connection or protocol failure, no end marker within `timeout`, or `stop` set.
 pub async fn replay(
+    ctx: zmq::Context,
     endpoint: &str,
     start: u64,
     timeout: Duration,
+    limits: SocketLimits,
+    stop: Arc<AtomicBool>,
 ) -> Result<Vec<RawBatch>, ReplayError> {
-    let work = async {
-        let mut dealer = DealerSocket::new();
-        dealer.connect(endpoint).await?;
-        let msg = ZmqMessage::try_from(vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&start.to_be_bytes()),
-        ])
-        .expect("two frames");
-        dealer.send(msg).await?;
-        let mut out = Vec::new();
-        loop {
-            let mut frames = dealer.recv().await?.into_vec();
-            // A DEALER sees the ROUTER's empty delimiter first.
-            if frames.first().is_some_and(|f| f.is_empty()) && frames.len() >= 3 {
-                frames.remove(0);
-            }
-            // Old shape [seq, payload], new shape [topic, seq, payload].
-            let (seq, payload) = match frames.len() {
-                2 => (&frames[0], &frames[1]),
-                3 => (&frames[1], &frames[2]),
-                _ => continue,
-            };
-            let Ok(seq) = <[u8; 8]>::try_from(&seq[..]) else {
-                continue;
-            };
-            let seq = u64::from_be_bytes(seq);
-            if seq == u64::MAX && payload.is_empty() {
-                let _ = dealer.close().await;
-                return Ok(out);
-            }
-            if out.len() >= MAX_REPLAY_BATCHES {
-                return Err(ReplayError::TooMany);
-            }
-            out.push(RawBatch {
-                seq,
-                payload: payload.clone(),
-            });
+    let endpoint = endpoint.to_owned();
+    tokio::task::spawn_blocking(move || {
+        replay_blocking(&ctx, &endpoint, start, timeout, limits, &stop)
+    })
+    .await
+    .map_err(|e| ReplayError::Join(e.to_string()))?
+}
+
+fn replay_blocking(
+    ctx: &zmq::Context,
+    endpoint: &str,
+    start: u64,
+    timeout: Duration,
+    limits: SocketLimits,
+    stop: &AtomicBool,
+) -> Result<Vec<RawBatch>, ReplayError> {
+    let until = std::time::Instant::now() + timeout;
+    let dealer = ctx.socket(zmq::DEALER)?;
+    limits.apply(&dealer)?;
+    dealer.connect(endpoint)?;
+    // The pipe exists from connect() on (no ZMQ_IMMEDIATE), so this queues rather than blocks.
+    dealer.send_multipart([&[][..], &start.to_be_bytes()[..]], zmq::DONTWAIT)?;
+    let mut out = Vec::new();
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            return Err(ReplayError::Stopped);
         }
-    };
-    match tokio::time::timeout(timeout, work).await {
-        Ok(r) => r,
-        Err(_) => Err(ReplayError::Timeout),
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(ReplayError::Timeout);
+        }
+        if dealer.poll(zmq::POLLIN, poll_ms(left.min(POLL)))? == 0 {
+            continue;
+        }
+        let mut frames = match dealer.recv_multipart(zmq::DONTWAIT) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        // A DEALER sees the ROUTER's empty delimiter first.
+        if frames.first().is_some_and(|f| f.is_empty()) && frames.len() >= 3 {
+            frames.remove(0);
+        }
+        // Old shape [seq, payload], new shape [topic, seq, payload].
+        let (seq, payload) = match frames.len() {
+            2 => (&frames[0], &frames[1]),
+            3 => (&frames[1], &frames[2]),
+            _ => continue,
+        };
+        let Ok(seq) = <[u8; 8]>::try_from(&seq[..]) else {
+            continue;
+        };
+        let seq = u64::from_be_bytes(seq);
+        if seq == u64::MAX && payload.is_empty() {
+            return Ok(out);
+        }
+        if out.len() >= MAX_REPLAY_BATCHES {
+            return Err(ReplayError::TooMany);
+        }
+        let payload = Bytes::from(frames.swap_remove(frames.len() - 1));
+        out.push(RawBatch { seq, payload });
+    }
+}
+
+fn poll_ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+}
+
+/// What a worker's socket thread tells its async task.
+#[derive(Debug)]
+enum Wire {
+    /// The ZMTP handshake with the publisher succeeded.
+    Connected,
+    /// The connection to the publisher is gone.
+    Disconnected,
+    /// libzmq dropped the publisher for a protocol error and will not retry by itself.
+    ProtocolError,
+    Message(Vec<Bytes>),
+}
+
+/// Sets the stop flag when the async side goes away (abort included).
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Owns a worker's context; terminating a context waits for its I/O thread (possibly inside a
+/// slow DNS lookup), so the last reference is never dropped on an async worker thread.
+struct OwnedContext(Option<zmq::Context>);
+
+impl OwnedContext {
+    fn get(&self) -> zmq::Context {
+        self.0.clone().unwrap_or_default()
+    }
+}
+
+impl Drop for OwnedContext {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.0.take() {
+            let _ = std::thread::Builder::new()
+                .name("kvroute-zmq-term".into())
+                .spawn(move || drop(ctx));
+        }
+    }
+}
+
+/// The socket thread of one worker: SUB plus its monitor, rebuilt after a protocol error
+/// (libzmq gives up on such a peer) with growing backoff. Returns when `stop` is set or the
+/// async side is gone.
+fn pump(
+    ctx: &zmq::Context,
+    endpoint: &str,
+    limits: SocketLimits,
+    tx: &mpsc::Sender<Wire>,
+    stop: &AtomicBool,
+) {
+    static MONITORS: AtomicU64 = AtomicU64::new(0);
+    let mut backoff = Duration::from_millis(u64::from(RECONNECT_IVL_MS.unsigned_abs()));
+    let max_backoff = Duration::from_millis(u64::from(RECONNECT_IVL_MAX_MS.unsigned_abs()));
+    while !stop.load(Ordering::Relaxed) {
+        let monitor = format!(
+            "inproc://kvroute-monitor-{}",
+            MONITORS.fetch_add(1, Ordering::Relaxed)
+        );
+        match session(ctx, endpoint, limits, &monitor, tx, stop) {
+            Ok(Ended::Stopped) => return,
+            Ok(Ended::ProtocolError { had_handshake }) => {
+                if tx.blocking_send(Wire::ProtocolError).is_err() {
+                    return;
+                }
+                if had_handshake {
+                    backoff = Duration::from_millis(u64::from(RECONNECT_IVL_MS.unsigned_abs()));
+                }
+            }
+            Err(e) => warn!(endpoint, error = %e, "ZMQ socket set-up failed; retrying"),
+        }
+        // Interruptible sleep before the next socket.
+        let until = std::time::Instant::now() + backoff;
+        while std::time::Instant::now() < until {
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+            std::thread::sleep(POLL);
+        }
+        backoff = (backoff * 2).min(max_backoff);
+    }
+}
+
+enum Ended {
+    Stopped,
+    ProtocolError { had_handshake: bool },
+}
+
+fn session(
+    ctx: &zmq::Context,
+    endpoint: &str,
+    limits: SocketLimits,
+    monitor_addr: &str,
+    tx: &mpsc::Sender<Wire>,
+    stop: &AtomicBool,
+) -> Result<Ended, zmq::Error> {
+    let sub = ctx.socket(zmq::SUB)?;
+    limits.apply(&sub)?;
+    let events = [
+        zmq::SocketEvent::HANDSHAKE_SUCCEEDED,
+        zmq::SocketEvent::DISCONNECTED,
+        zmq::SocketEvent::CONNECT_RETRIED,
+    ]
+    .iter()
+    .fold(0i32, |acc, e| acc | i32::from(e.to_raw()));
+    sub.monitor(monitor_addr, events)?;
+    let mon = ctx.socket(zmq::PAIR)?;
+    mon.set_linger(0)?;
+    mon.connect(monitor_addr)?;
+    sub.set_subscribe(b"")?;
+    sub.connect(endpoint)?;
+    debug!(endpoint, "subscribing");
+    let handshake = zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw();
+    let disconnected = zmq::SocketEvent::DISCONNECTED.to_raw();
+    let retried = zmq::SocketEvent::CONNECT_RETRIED.to_raw();
+    let mut had_handshake = false;
+    let mut silent_since: Option<std::time::Instant> = None;
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(Ended::Stopped);
+        }
+        let (sub_ready, mon_ready) = {
+            let mut items = [sub.as_poll_item(zmq::POLLIN), mon.as_poll_item(zmq::POLLIN)];
+            match zmq::poll(&mut items, poll_ms(POLL)) {
+                Ok(_) | Err(zmq::Error::EINTR) => {}
+                Err(e) => return Err(e),
+            }
+            (items[0].is_readable(), items[1].is_readable())
+        };
+        if mon_ready {
+            // Monitor messages: [u16 event, u32 value] then the endpoint.
+            while let Ok(frames) = mon.recv_multipart(zmq::DONTWAIT) {
+                let Some(ev) = frames
+                    .first()
+                    .and_then(|f| f.get(..2))
+                    .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                else {
+                    continue;
+                };
+                let wire = if ev == handshake {
+                    had_handshake = true;
+                    silent_since = None;
+                    Wire::Connected
+                } else if ev == disconnected {
+                    silent_since = Some(std::time::Instant::now());
+                    Wire::Disconnected
+                } else {
+                    if ev == retried {
+                        silent_since = None;
+                    }
+                    continue;
+                };
+                if tx.blocking_send(wire).is_err() {
+                    return Ok(Ended::Stopped);
+                }
+            }
+        }
+        if sub_ready {
+            // A bounded drain keeps the monitor and the stop flag looked at.
+            for _ in 0..256 {
+                match sub.recv_multipart(zmq::DONTWAIT) {
+                    Ok(frames) => {
+                        let frames = frames.into_iter().map(Bytes::from).collect();
+                        if tx.blocking_send(Wire::Message(frames)).is_err() {
+                            return Ok(Ended::Stopped);
+                        }
+                    }
+                    Err(zmq::Error::EAGAIN) => break,
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        if silent_since.is_some_and(|t| t.elapsed() >= RETRY_EVENT_GRACE) {
+            return Ok(Ended::ProtocolError { had_handshake });
+        }
     }
 }
 
@@ -159,6 +415,12 @@ pub struct Subscriber {
     endpoint: String,
     replay_endpoint: Option<String>,
     seq: Seq,
+    limits: SocketLimits,
+    /// This worker's own libzmq context: libzmq resolves host names on its I/O thread, so a
+    /// slow DNS answer for one engine must not stall the others.
+    ctx: OwnedContext,
+    /// Set when this subscriber is dropped: ends its socket thread and any replay.
+    stop: Arc<AtomicBool>,
 }
 
 impl Subscriber {
@@ -170,6 +432,9 @@ impl Subscriber {
         let replay_endpoint = w.reg.replay_endpoint.clone();
         let labels = WorkerLabels::new(&w.reg.instance_id, w.dp_rank());
         drop(hub);
+        let limits = SocketLimits {
+            max_message_bytes: shared.config.max_zmq_message_bytes,
+        };
         Some(Subscriber {
             shared,
             source,
@@ -180,81 +445,80 @@ impl Subscriber {
                 last: last_seq,
                 recent: VecDeque::new(),
             },
+            limits,
+            ctx: OwnedContext(Some(zmq::Context::new())),
+            stop: Arc::new(AtomicBool::new(false)),
         })
     }
 
-    /// Runs until aborted.
+    /// Runs until aborted; the socket thread stops with it.
     pub async fn run(mut self) {
-        let mut backoff = Duration::from_millis(50);
+        let _stop = StopOnDrop(self.stop.clone());
+        let (tx, mut rx) = mpsc::channel(CHANNEL_BATCHES);
+        let (endpoint, limits, stop) = (self.endpoint.clone(), self.limits, self.stop.clone());
+        let ctx = self.ctx.get();
+        let spawned = std::thread::Builder::new()
+            .name("kvroute-zmq-sub".into())
+            .spawn(move || pump(&ctx, &endpoint, limits, &tx, &stop));
+        if let Err(e) = spawned {
+            error!(endpoint = %self.endpoint, error = %e, "cannot start the ZMQ socket thread");
+            return;
+        }
+        self.set_connected(false);
+        let keep = self.shared.config.keep_disconnected;
+        let mut drop_at: Option<Instant> = None;
         loop {
-            let mut sub = SubSocket::new();
-            let mut monitor = sub.monitor();
-            let connected = match sub.connect(&self.endpoint).await {
-                Ok(()) => sub.subscribe("").await.is_ok(),
-                Err(e) => {
-                    debug!(endpoint = %self.endpoint, error = %e, "connect failed");
-                    false
+            let expiry = async {
+                match drop_at {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
                 }
             };
-            if !connected {
-                self.set_connected(false);
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-                continue;
-            }
-            backoff = Duration::from_millis(50);
-            info!(endpoint = %self.endpoint, "subscribed");
-            self.set_connected(true);
-            if self.replay_endpoint.is_some() {
-                let from = self.seq.last.map_or(0, |s| s + 1);
-                self.replay_from(from).await;
-            }
-            let keep = self.shared.config.keep_disconnected;
-            let mut drop_at: Option<Instant> = None;
-            loop {
-                let expiry = async {
-                    match drop_at {
-                        Some(t) => tokio::time::sleep_until(t).await,
-                        None => std::future::pending().await,
-                    }
-                };
-                tokio::select! {
-                    msg = sub.recv() => match msg {
-                        Ok(msg) => self.on_message(msg.into_vec()).await,
-                        Err(e) => {
-                            warn!(endpoint = %self.endpoint, error = %e, "receive failed; reconnecting");
-                            break;
-                        }
-                    },
-                    ev = monitor.next() => match ev {
-                        Some(SocketEvent::Disconnected(_)) => {
-                            info!(endpoint = %self.endpoint, "publisher disconnected");
-                            self.set_connected(false);
-                            drop_at = Some(Instant::now() + keep);
-                        }
-                        Some(SocketEvent::Connected(..)) => {
-                            self.set_connected(true);
-                            drop_at = None;
-                        }
-                        Some(_) => {}
-                        None => {
-                            // The monitor is gone with the socket's internals: start over.
-                            break;
-                        }
-                    },
-                    _ = expiry => {
-                        let n = self.shared.write().clear_blocks(self.source);
-                        info!(endpoint = %self.endpoint, blocks = n, "disconnected too long; blocks dropped");
-                        // Start over: when the engine is back, what its replay buffer still
-                        // holds comes in again from seq 0.
-                        self.seq = Seq { last: None, recent: VecDeque::new() };
-                        self.shared.notify();
+            tokio::select! {
+                wire = rx.recv() => match wire {
+                    Some(Wire::Message(frames)) => self.on_message(frames).await,
+                    Some(Wire::Connected) => {
+                        info!(endpoint = %self.endpoint, "subscribed");
+                        self.set_connected(true);
                         drop_at = None;
+                        if self.replay_endpoint.is_some() {
+                            let from = self.seq.last.map_or(0, |s| s + 1);
+                            self.replay_from(from).await;
+                        }
                     }
+                    Some(Wire::Disconnected) => {
+                        info!(endpoint = %self.endpoint, "publisher disconnected");
+                        self.set_connected(false);
+                        drop_at.get_or_insert(Instant::now() + keep);
+                    }
+                    Some(Wire::ProtocolError) => {
+                        warn!(
+                            endpoint = %self.endpoint,
+                            max_message_bytes = self.limits.max_message_bytes,
+                            "publisher dropped for a protocol error (frame over the limit or malformed ZMTP); reconnecting with backoff"
+                        );
+                        self.shared
+                            .metrics
+                            .zmq_protocol_errors
+                            .get_or_create(&self.labels)
+                            .inc();
+                    }
+                    None => {
+                        error!(endpoint = %self.endpoint, "ZMQ socket thread ended");
+                        self.set_connected(false);
+                        return;
+                    }
+                },
+                _ = expiry => {
+                    let n = self.shared.write().clear_blocks(self.source);
+                    info!(endpoint = %self.endpoint, blocks = n, "disconnected too long; blocks dropped");
+                    // Start over: when the engine is back, what its replay buffer still
+                    // holds comes in again from seq 0.
+                    self.seq = Seq { last: None, recent: VecDeque::new() };
+                    self.shared.notify();
+                    drop_at = None;
                 }
             }
-            self.set_connected(false);
-            let _ = sub.close().await;
         }
     }
 
@@ -330,7 +594,16 @@ impl Subscriber {
             return;
         };
         let timeout = self.shared.config.replay_timeout;
-        let outcome = match replay(&endpoint, start, timeout).await {
+        let outcome = match replay(
+            self.ctx.get(),
+            &endpoint,
+            start,
+            timeout,
+            self.limits,
+            self.stop.clone(),
+        )
+        .await
+        {
             Ok(batches) => {
                 let n = batches.len();
                 for raw in batches {
