@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hostile_common::*;
-use kvroute_collector::testing::{stored, Format, Publisher, ReplayShape};
+use kvroute_sim::publisher::{Publisher, PublisherConfig};
+use kvroute_sim::wire::{stored, EventFormat};
 
 const LIMIT: usize = 1 << 20;
 
@@ -92,11 +93,14 @@ async fn hostile_publishers_cost_their_connection_not_the_process() {
             std::thread::spawn(move || play(s, nth));
         }
     });
-    let mut good = Publisher::bind(Format::VllmMap, ReplayShape::New).await;
+    let good = Publisher::start(PublisherConfig::loopback(EventFormat::Vllm033))
+        .await
+        .expect("publisher");
     let bad_spec = format!("instance_id=bad,endpoint=tcp://{hostile_addr},model=m,block_size=4");
     let good_spec = format!(
         "instance_id=good,endpoint={},replay={},model=m,block_size=4",
-        good.endpoint, good.replay_endpoint
+        good.endpoint,
+        good.replay_endpoint.clone().unwrap_or_default()
     );
     let limit = LIMIT.to_string();
     let mut c = tokio::task::block_in_place(|| {
@@ -140,7 +144,7 @@ async fn hostile_publishers_cost_their_connection_not_the_process() {
     // A good engine next door is served as before.
     let tokens: Vec<u32> = (1..=16).collect();
     let body = serde_json::json!({"token_ids": tokens, "model_name": "m"}).to_string();
-    good.publish(&[stored(None, 100, &tokens, 4)]).await;
+    good.publish_events(&[stored(None, 100, &tokens, 4)]);
     let until = Instant::now() + Duration::from_secs(15);
     loop {
         let r = tokio::task::block_in_place(|| c.post("/query", &body)).expect("query answered");
@@ -153,7 +157,7 @@ async fn hostile_publishers_cost_their_connection_not_the_process() {
             "good engine's blocks not indexed: {r:?}"
         );
         // PUB/SUB may drop what came before the subscription: a new batch shows the gap.
-        good.publish(&[]).await;
+        good.publish_events(&[]);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(c.alive());
