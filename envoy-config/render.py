@@ -52,6 +52,11 @@ def lb_endpoints(addresses: list[str]) -> str:
     return json.dumps(eps)
 
 
+def filter_extra(keys: Mapping[str, object]) -> str:
+    """Top-level filter config keys -> the FILTER_EXTRA value (`, "load": {...}`)."""
+    return "".join(f", {json.dumps(k)}: {json.dumps(v)}" for k, v in keys.items())
+
+
 def render_file(template_path: str, out_path: str, values: Mapping[str, object]) -> None:
     with open(template_path, encoding="utf-8") as f:
         text = render(f.read(), values)

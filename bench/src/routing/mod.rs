@@ -11,12 +11,22 @@
 //! - Each policy runs in turn on the same trace. Before each, the fleet drains and every
 //!   engine resets its prefix cache (publishing `AllBlocksCleared`, so the collector and
 //!   vllm-router drop their state too).
-//! - Policies: `round-robin`, `least-request`, `kvroute` (collector `/query` + the core's
-//!   `select::pick`), `oracle` (the same decision on exact cache contents), and the PyPI peers
-//!   `vllm-router` (`kv_aware`, token-id prompts, fed the engines' events) and `sglang-router`
-//!   (`cache_aware`, `t<id>` text prompts), run as child processes from `--venv`.
+//! - Policies: `kvroute` is the **shipped path**: a real Envoy with the real filter (.wasm,
+//!   `--wasm` / `KVROUTE_WASM`) and the in-process collector, Envoy's fallback round-robin
+//!   ([`gateway`]). Beside it, in process: `round-robin`, `least-request`, `kvroute-inproc`
+//!   (collector `/query` + the core's `select::pick`, prefill released at the first token),
+//!   `oracle` (the same decision on exact cache contents), `longest-prefix` (deepest match
+//!   wins, as vllm-router); and the PyPI peers `vllm-router` (`kv_aware`, token-id prompts, fed
+//!   the engines' events) and `sglang-router` (`cache_aware`, `t<id>` text prompts), run as
+//!   child processes from `--venv`.
+//! - Scenarios: `trace` (a: one gateway, the Mooncake trace), `replicas` (b: two Envoys
+//!   sharing the collector, requests alternating, with fleet-wide load on and off) and `burst`
+//!   (c: a hot shared prefix, see [`burst`]). Each writes `<out>/<scenario>/`; `<out>/results.md`
+//!   holds every table and the targets.
 //! - Times are simulated seconds (measured wall time × `--speed`).
 
+pub mod burst;
+pub mod gateway;
 pub mod peers;
 pub mod policy;
 pub mod report;
@@ -30,23 +40,55 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
+use gateway::{Gateway, GatewaySetup};
 use kvroute_sim::cache::CacheConfig;
 use kvroute_sim::engine::{Engine, EngineConfig};
 use kvroute_sim::replay::{self, Api, ReplayConfig, Target};
 use kvroute_sim::trace;
 use kvroute_sim::wire::EventFormat;
 use peers::{Peer, PeerEngine};
-use policy::{KvAware, LeastRequest, MatchSource, RoundRobin, Slot};
+use policy::{Alternate, Choice, KvAware, LeastRequest, MatchSource, RoundRobin, Slot};
 use report::{EngineLoad, PolicyResult};
 
-/// All policies, in run order.
-pub const POLICIES: [&str; 6] = [
+/// All policies.
+pub const POLICIES: [&str; 10] = [
     "round-robin",
     "least-request",
-    "kvroute",
+    "kvroute-inproc",
     "oracle",
+    "kvroute",
     "vllm-router",
     "sglang-router",
+    "kvroute-2gw",
+    "kvroute-2gw-nofleet",
+    "longest-prefix",
+];
+
+/// The scenarios and their policies, in run order.
+pub const SCENARIOS: [(&str, &[&str]); 3] = [
+    (
+        "trace",
+        &[
+            "round-robin",
+            "least-request",
+            "kvroute-inproc",
+            "oracle",
+            "kvroute",
+            "vllm-router",
+            "sglang-router",
+        ],
+    ),
+    ("replicas", &["kvroute-2gw", "kvroute-2gw-nofleet"]),
+    (
+        "burst",
+        &[
+            "round-robin",
+            "kvroute",
+            "longest-prefix",
+            "vllm-router",
+            "sglang-router",
+        ],
+    ),
 ];
 
 /// Flags of `kvroute-bench routing`.
@@ -67,12 +109,46 @@ pub struct BenchArgs {
     /// Arrival-rate multiplier over the trace's own rate.
     #[arg(long, default_value_t = 1.0)]
     pub rate_scale: f64,
-    /// Comma-separated policies to run (default: all).
+    /// Comma-separated policies to run (default: all), in every scenario that has them.
     #[arg(long, value_delimiter = ',', default_values_t = POLICIES.map(String::from))]
     pub policies: Vec<String>,
+    /// Comma-separated scenarios: trace, replicas, burst (default: all).
+    #[arg(long, value_delimiter = ',', default_values_t = SCENARIOS.map(|s| s.0.to_string()))]
+    pub scenarios: Vec<String>,
     /// Output directory (results.json, results.md, PNG plots, per-request JSONL).
-    #[arg(long, default_value = "sim/bench-out")]
+    #[arg(long, default_value = "bench-out")]
     pub out: PathBuf,
+    /// Envoy binary (default: $ENVOY, else what envoy-config/install-envoy.sh installs).
+    #[arg(long)]
+    pub envoy: Option<PathBuf>,
+    /// The filter (default: $KVROUTE_WASM, else the target dir's wasm32-wasip1 release build).
+    #[arg(long)]
+    pub wasm: Option<PathBuf>,
+    /// envoy.yaml, render.py and install-envoy.sh.
+    #[arg(long, default_value = "envoy-config")]
+    pub envoy_config: PathBuf,
+    /// Envoy worker threads per gateway.
+    #[arg(long, default_value_t = 2)]
+    pub envoy_concurrency: usize,
+    /// Extra filter configuration, a JSON object merged into envoy.yaml's (e.g.
+    /// '{"route": {"max_hit_queue_tokens": 8192}}').
+    #[arg(long, default_value = "{}")]
+    pub filter_config: String,
+    /// Speed-up of the burst scenario (short: run closer to real time for precision).
+    #[arg(long, default_value_t = 2.0)]
+    pub burst_speed: f64,
+    /// Requests of the burst sharing the system prompt.
+    #[arg(long, default_value_t = 64)]
+    pub burst_requests: usize,
+    /// Shared system prompt of the burst, tokens.
+    #[arg(long, default_value_t = 8192)]
+    pub burst_shared_tokens: usize,
+    /// Distinct tail of each burst request, tokens.
+    #[arg(long, default_value_t = 1024)]
+    pub burst_tail_tokens: usize,
+    /// Cold requests after the burst.
+    #[arg(long, default_value_t = 64)]
+    pub burst_cold: usize,
     /// Python venv with vllm-router and sglang-router.
     #[arg(long, default_value = "sim/.venv-peers")]
     pub venv: PathBuf,
@@ -240,72 +316,125 @@ fn engine_load(fleet: &Fleet) -> EngineLoad {
     l
 }
 
-/// Runs the benchmark and writes its outputs.
-///
-/// # Errors
-/// Setup failures (trace, sockets, collector); a peer that cannot run is skipped instead.
-pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
-    let mut records =
-        trace::load(&a.trace).with_context(|| format!("trace {}", a.trace.display()))?;
-    if let Some(l) = a.limit {
-        records.truncate(l);
-    }
-    std::fs::create_dir_all(&a.out).with_context(|| format!("create {}", a.out.display()))?;
-    let fleet = start_fleet(&a).await?;
-    let collector = start_collector(&a, &fleet).await?;
-    let slots = fleet.slots();
-    let peer_engines: Vec<PeerEngine> = fleet
-        .engines
-        .iter()
-        .zip(&fleet.urls)
-        .map(|(e, u)| PeerEngine {
-            url: u.clone(),
-            events_endpoint: e.event_endpoints()[0].0.clone(),
-        })
-        .collect();
-    let trace_span_s = records.last().map_or(0.0, |r| r.timestamp as f64 / 1000.0) / a.rate_scale;
-    eprintln!(
-        "bench: {} requests over {:.0} s of trace time at {}x → ~{:.0} s per policy; {} engines; policies: {}",
-        records.len(),
-        trace_span_s,
-        a.speed,
-        trace_span_s / a.speed,
-        a.engines,
-        a.policies.join(", ")
-    );
-    let style = ProgressStyle::with_template(
-        "{prefix:>14} [{bar:40.cyan/blue}] {pos}/{len} {elapsed_precise} {msg}",
-    )
-    .expect("template")
-    .progress_chars("=> ");
-    let mut results: Vec<PolicyResult> = Vec::new();
-    for name in &a.policies {
-        let mut peer_running = None;
-        let mut api = Api::CompletionsIds;
-        let mut kv: Option<Arc<KvAware>> = None;
-        let target = match name.as_str() {
-            "round-robin" => Target::Routed(Arc::new(RoundRobin::new(slots.clone()))),
-            "least-request" => Target::Routed(Arc::new(LeastRequest::new(slots.clone(), a.seed))),
-            "kvroute" | "oracle" => {
-                let source = if name == "kvroute" {
-                    MatchSource::Collector {
-                        client: reqwest::Client::new(),
-                        url: collector.clone(),
-                        model: MODEL.into(),
-                    }
+/// What every policy run shares.
+struct Ctx {
+    a: BenchArgs,
+    fleet: Fleet,
+    /// The collector's `ip:port`.
+    collector: String,
+    slots: Vec<Slot>,
+    peer_engines: Vec<PeerEngine>,
+    /// How to start Envoy, or why it cannot be.
+    gateway: Result<GatewaySetup, String>,
+    style: ProgressStyle,
+}
+
+/// A routing target and what to release after the run.
+enum Prepared {
+    Run {
+        target: Target,
+        api: Api,
+        kv: Option<Arc<KvAware>>,
+        peer: Option<peers::Running>,
+        gateways: Vec<Gateway>,
+    },
+    Skipped(String),
+}
+
+impl Ctx {
+    async fn prepare(&self, name: &str) -> anyhow::Result<Prepared> {
+        let a = &self.a;
+        let kv_aware = |source, choice| {
+            Arc::new(
+                KvAware::new(self.slots.clone(), source, a.block_size as u32, a.seed)
+                    .with_choice(choice),
+            )
+        };
+        let collector_source = || MatchSource::Collector {
+            client: reqwest::Client::new(),
+            url: format!("http://{}", self.collector),
+            model: MODEL.into(),
+        };
+        let routed = |t: Arc<dyn kvroute_sim::replay::Route>, kv| Prepared::Run {
+            target: Target::Routed(t),
+            api: Api::CompletionsIds,
+            kv,
+            peer: None,
+            gateways: Vec::new(),
+        };
+        Ok(match name {
+            "round-robin" => routed(Arc::new(RoundRobin::new(self.slots.clone())), None),
+            "least-request" => routed(
+                Arc::new(LeastRequest::new(self.slots.clone(), a.seed)),
+                None,
+            ),
+            "kvroute-inproc" | "longest-prefix" => {
+                let choice = if name == "kvroute-inproc" {
+                    Choice::Cost
                 } else {
-                    MatchSource::Oracle {
-                        engines: fleet.engines.clone(),
-                    }
+                    Choice::LongestPrefix
                 };
-                let k = Arc::new(KvAware::new(
-                    slots.clone(),
-                    source,
-                    a.block_size as u32,
-                    a.seed,
-                ));
-                kv = Some(k.clone());
-                Target::Routed(k)
+                let k = kv_aware(collector_source(), choice);
+                routed(k.clone(), Some(k))
+            }
+            "oracle" => {
+                let k = kv_aware(
+                    MatchSource::Oracle {
+                        engines: self.fleet.engines.clone(),
+                    },
+                    Choice::Cost,
+                );
+                routed(k.clone(), Some(k))
+            }
+            "kvroute" | "kvroute-2gw" | "kvroute-2gw-nofleet" => {
+                let setup = match &self.gateway {
+                    Ok(s) => s,
+                    Err(why) => return Ok(Prepared::Skipped(why.clone())),
+                };
+                let n = if name == "kvroute" { 1 } else { 2 };
+                let mut keys = serde_json::Map::new();
+                if name.ends_with("nofleet") {
+                    keys.insert("load".into(), json!({"fleet": false}));
+                }
+                let addrs: Vec<String> = self
+                    .fleet
+                    .urls
+                    .iter()
+                    .map(|u| u.trim_start_matches("http://").to_string())
+                    .collect();
+                let mut gateways = Vec::new();
+                for i in 0..n {
+                    match Gateway::start(
+                        setup,
+                        &format!("{name}-{i}"),
+                        &addrs,
+                        &self.collector,
+                        &keys,
+                        MODEL,
+                    )
+                    .await
+                    {
+                        Ok(g) => gateways.push(g),
+                        Err(e) => {
+                            for g in gateways {
+                                g.stop().await;
+                            }
+                            return Ok(Prepared::Skipped(e.to_string()));
+                        }
+                    }
+                }
+                let urls: Vec<String> = gateways.iter().map(|g| g.url.clone()).collect();
+                Prepared::Run {
+                    target: if n == 1 {
+                        Target::Url(urls[0].clone())
+                    } else {
+                        Target::Routed(Arc::new(Alternate::new(urls)))
+                    },
+                    api: Api::CompletionsIds,
+                    kv: None,
+                    peer: None,
+                    gateways,
+                }
             }
             "vllm-router" | "sglang-router" => {
                 let peer = if name == "vllm-router" {
@@ -313,82 +442,96 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
                 } else {
                     Peer::SglangRouter
                 };
-                if peer == Peer::SglangRouter {
-                    api = Api::CompletionsText;
-                }
                 match peers::start(
                     peer,
                     &a.venv,
-                    &peer_engines,
+                    &self.peer_engines,
                     a.block_size,
                     MODEL,
                     &a.out.join("logs"),
                 )
                 .await
                 {
-                    Ok(r) => {
-                        let url = r.url.clone();
-                        peer_running = Some(r);
-                        Target::Url(url)
-                    }
-                    Err(e) => {
-                        eprintln!("bench: {name} skipped: {e}");
-                        results.push(PolicyResult {
-                            policy: name.clone(),
-                            skipped: Some(e.to_string()),
-                            summary: None,
-                            engines: EngineLoad::default(),
-                            prefill_utilization: 0.0,
-                            wall_s: 0.0,
-                            query_errors: 0,
-                            results: Vec::new(),
-                        });
-                        continue;
-                    }
+                    Ok(r) => Prepared::Run {
+                        target: Target::Url(r.url.clone()),
+                        api: if peer == Peer::SglangRouter {
+                            Api::CompletionsText
+                        } else {
+                            Api::CompletionsIds
+                        },
+                        kv: None,
+                        peer: Some(r),
+                        gateways: Vec::new(),
+                    },
+                    Err(e) => Prepared::Skipped(e.to_string()),
                 }
             }
             other => anyhow::bail!("unknown policy {other:?} (known: {})", POLICIES.join(", ")),
+        })
+    }
+
+    /// Runs `name` on `records` at `speed`; a policy that cannot start is recorded as skipped.
+    async fn run(
+        &self,
+        scenario: &str,
+        name: &str,
+        records: &[trace::TraceRecord],
+        speed: f64,
+    ) -> anyhow::Result<PolicyResult> {
+        let (target, api, kv, peer, gateways) = match self.prepare(name).await? {
+            Prepared::Run {
+                target,
+                api,
+                kv,
+                peer,
+                gateways,
+            } => (target, api, kv, peer, gateways),
+            Prepared::Skipped(why) => {
+                eprintln!("bench: {scenario}/{name} skipped: {why}");
+                return Ok(PolicyResult::skipped(name, why));
+            }
         };
-        drain_and_reset(&fleet).await;
+        drain_and_reset(&self.fleet).await;
         let cfg = ReplayConfig {
-            speed: a.speed,
+            speed,
             api,
             model: MODEL.into(),
-            arrival_scale: a.rate_scale,
+            arrival_scale: self.a.rate_scale,
             ..ReplayConfig::default()
         };
         let bar = ProgressBar::new(records.len() as u64)
-            .with_style(style.clone())
-            .with_prefix(name.clone());
+            .with_style(self.style.clone())
+            .with_prefix(name.to_string());
         let started = Instant::now();
-        let per_request = replay::run(&records, target, &cfg, Some(bar.clone())).await;
+        let per_request = replay::run(records, target, &cfg, Some(bar.clone())).await;
         let wall_s = started.elapsed().as_secs_f64();
-        let summary = replay::summarize(&per_request, &fleet.names);
-        bar.finish_with_message(format!(
-            "hit {:.1}%  TTFT p90 {:.2}s  failed {}",
+        let summary = replay::summarize(&per_request, &self.fleet.names);
+        let line = format!(
+            "hit {:.1}%  TTFT p50 {:.2}s p90 {:.2}s  failed {}",
             summary.hit_rate * 100.0,
+            summary.model_ttft_p50_s,
             summary.model_ttft_p90_s,
             summary.failed
-        ));
+        );
+        bar.finish_with_message(line.clone());
         if bar.is_hidden() {
-            eprintln!(
-                "bench: {name}: hit {:.1}%, TTFT p50 {:.2}s p90 {:.2}s (client p90 {:.2}s), failed {}, {:.0}s wall",
-                summary.hit_rate * 100.0,
-                summary.model_ttft_p50_s,
-                summary.model_ttft_p90_s,
-                summary.ttft_p90_s,
-                summary.failed,
-                wall_s
-            );
+            eprintln!("bench: {scenario}/{name}: {line}, {wall_s:.0}s wall");
         }
-        if let Some(p) = peer_running.take() {
+        let mut gateway_stats = std::collections::BTreeMap::new();
+        for g in gateways {
+            for (k, v) in g.filter_stats().await {
+                *gateway_stats.entry(k).or_insert(0) += v;
+            }
+            g.stop().await;
+        }
+        if let Some(p) = peer {
             p.stop().await;
         }
-        drain(&fleet).await;
-        let engines = engine_load(&fleet);
-        let capacity = a.engines as f64 * a.prefill_tokens_per_s * summary.duration_s;
-        results.push(PolicyResult {
-            policy: name.clone(),
+        drain(&self.fleet).await;
+        let engines = engine_load(&self.fleet);
+        let capacity = self.a.engines as f64 * self.a.prefill_tokens_per_s * summary.duration_s;
+        Ok(PolicyResult {
+            policy: name.to_string(),
             skipped: None,
             prefill_utilization: if capacity > 0.0 {
                 engines.computed_tokens() as f64 / capacity
@@ -401,57 +544,213 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
             query_errors: kv.as_ref().map_or(0, |k| {
                 k.query_errors.load(std::sync::atomic::Ordering::Relaxed)
             }),
+            gateway_stats,
             results: per_request,
-        });
+        })
     }
-    write_outputs(&a, &results, &fleet)?;
+}
+
+/// The filter and Envoy of the shipped path, from the flags and the environment.
+async fn gateway_setup(a: &BenchArgs) -> anyhow::Result<GatewaySetup> {
+    let wasm = a
+        .wasm
+        .clone()
+        .or_else(|| std::env::var_os("KVROUTE_WASM").map(PathBuf::from))
+        .unwrap_or_else(|| {
+            std::env::var_os("CARGO_TARGET_DIR")
+                .map_or_else(|| PathBuf::from("target"), PathBuf::from)
+                .join("wasm32-wasip1/release/kvroute_filter.wasm")
+        });
+    let envoy = match a
+        .envoy
+        .clone()
+        .or_else(|| std::env::var_os("ENVOY").map(PathBuf::from))
+    {
+        Some(e) => e,
+        None => gateway::installed_envoy(&a.envoy_config).await?,
+    };
+    let filter_config = match serde_json::from_str::<serde_json::Value>(&a.filter_config)
+        .context("--filter-config")?
+    {
+        serde_json::Value::Object(m) => m,
+        other => anyhow::bail!("--filter-config must be a JSON object, not {other}"),
+    };
+    Ok(GatewaySetup {
+        envoy,
+        wasm,
+        config_dir: a.envoy_config.clone(),
+        concurrency: a.envoy_concurrency.max(1),
+        filter_config,
+        work_dir: a.out.join("logs"),
+    })
+}
+
+/// Runs the benchmark and writes its outputs.
+///
+/// # Errors
+/// Setup failures (trace, sockets, collector); a policy that cannot run is skipped instead.
+pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
+    let mut records =
+        trace::load(&a.trace).with_context(|| format!("trace {}", a.trace.display()))?;
+    if let Some(l) = a.limit {
+        records.truncate(l);
+    }
+    for s in &a.scenarios {
+        anyhow::ensure!(
+            SCENARIOS.iter().any(|(n, _)| n == s),
+            "unknown scenario {s:?} (known: trace, replicas, burst)"
+        );
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("create {}", a.out.display()))?;
+    let fleet = start_fleet(&a).await?;
+    let collector = start_collector(&a, &fleet).await?;
+    let gateway = gateway_setup(&a).await.map_err(|e| format!("{e:#}"));
+    if let Ok(g) = &gateway {
+        eprintln!(
+            "bench: shipped path: {} with {}",
+            g.envoy.display(),
+            g.wasm.display()
+        );
+    }
+    let peer_engines = fleet
+        .engines
+        .iter()
+        .zip(&fleet.urls)
+        .map(|(e, u)| PeerEngine {
+            url: u.clone(),
+            events_endpoint: e.event_endpoints()[0].0.clone(),
+        })
+        .collect();
+    let trace_span_s = records.last().map_or(0.0, |r| r.timestamp as f64 / 1000.0) / a.rate_scale;
+    eprintln!(
+        "bench: trace: {} requests over {:.0} s of trace time at {}x → ~{:.0} s per policy; {} engines; scenarios: {}",
+        records.len(),
+        trace_span_s,
+        a.speed,
+        trace_span_s / a.speed,
+        a.engines,
+        a.scenarios.join(", ")
+    );
+    let ctx = Ctx {
+        slots: fleet.slots(),
+        collector: collector.trim_start_matches("http://").to_string(),
+        fleet,
+        peer_engines,
+        gateway,
+        style: ProgressStyle::with_template(
+            "{prefix:>20} [{bar:40.cyan/blue}] {pos}/{len} {elapsed_precise} {msg}",
+        )
+        .expect("template")
+        .progress_chars("=> "),
+        a: a.clone(),
+    };
+    let burst_records = burst::trace(&burst::BurstShape {
+        requests: a.burst_requests,
+        shared_tokens: a.burst_shared_tokens,
+        tail_tokens: a.burst_tail_tokens,
+        cold: a.burst_cold,
+        cold_tokens: 4096,
+        output_tokens: 64,
+    });
+    let mut all: Vec<(String, Vec<PolicyResult>)> = Vec::new();
+    for (scenario, policies) in SCENARIOS {
+        if !a.scenarios.iter().any(|s| s == scenario) {
+            continue;
+        }
+        let (recs, speed) = if scenario == "burst" {
+            (&burst_records, a.burst_speed)
+        } else {
+            (&records, a.speed)
+        };
+        let mut results = Vec::new();
+        for name in policies
+            .iter()
+            .filter(|p| a.policies.iter().any(|x| x == *p))
+        {
+            results.push(ctx.run(scenario, name, recs, speed).await?);
+        }
+        write_scenario(&a, scenario, &results)?;
+        all.push((scenario.to_string(), results));
+    }
+    write_summary(&a, &all)?;
     Ok(())
 }
 
-fn write_outputs(a: &BenchArgs, results: &[PolicyResult], _fleet: &Fleet) -> anyhow::Result<()> {
+fn write_scenario(a: &BenchArgs, scenario: &str, results: &[PolicyResult]) -> anyhow::Result<()> {
+    let dir = a.out.join(scenario);
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     for r in results.iter().filter(|r| r.skipped.is_none()) {
         let mut text = String::new();
         for x in &r.results {
             text.push_str(&serde_json::to_string(x)?);
             text.push('\n');
         }
-        std::fs::write(a.out.join(format!("{}.jsonl", r.policy)), text)?;
+        std::fs::write(dir.join(format!("{}.jsonl", r.policy)), text)?;
     }
-    let table = report::table(results);
-    println!("\n{table}");
-    std::fs::write(a.out.join("results.md"), &table)?;
-    let json = json!({
-        "config": {
-            "trace": a.trace.display().to_string(), "requests": results.iter().find_map(|r| r.summary.as_ref().map(|s| s.requests)),
-            "engines": a.engines, "speed": a.speed, "rate_scale": a.rate_scale, "block_size": a.block_size,
-            "capacity_blocks": a.capacity_blocks, "prefill_tokens_per_s": a.prefill_tokens_per_s,
-            "decode_ms_per_token": a.decode_ms_per_token, "seed": a.seed,
-        },
-        "policies": results,
-    });
-    std::fs::write(
-        a.out.join("results.json"),
-        serde_json::to_string_pretty(&json)?,
-    )?;
-    if report::load_font() {
-        let title = format!("{} engines, {}x speed-up", a.engines, a.speed);
-        if let Err(e) = report::plot_ttft_cdf(
-            results,
-            &a.out.join("ttft_cdf.png"),
-            &format!("TTFT CDF per policy ({title})"),
-        ) {
-            eprintln!("bench: TTFT plot failed: {e}");
-        }
+    std::fs::write(dir.join("results.md"), report::table(results))?;
+    if !report::load_font() {
+        eprintln!("bench: no TTF font found; plots skipped");
+        return Ok(());
+    }
+    let speed = if scenario == "burst" {
+        a.burst_speed
+    } else {
+        a.speed
+    };
+    let title = format!("{scenario}: {} engines, {speed}x speed-up", a.engines);
+    if let Err(e) = report::plot_ttft_cdf(
+        results,
+        &dir.join("ttft_cdf.png"),
+        &format!("TTFT CDF ({title})"),
+    ) {
+        eprintln!("bench: {scenario} TTFT plot failed: {e}");
+    }
+    if scenario == "trace" {
         if let Err(e) = report::plot_hit_rate(
             results,
-            &a.out.join("hit_rate.png"),
+            &dir.join("hit_rate.png"),
             a.window_s,
             &format!("Prefix hit rate over time ({title})"),
         ) {
             eprintln!("bench: hit-rate plot failed: {e}");
         }
-    } else {
-        eprintln!("bench: no TTF font found; plots skipped");
     }
+    Ok(())
+}
+
+fn write_summary(a: &BenchArgs, all: &[(String, Vec<PolicyResult>)]) -> anyhow::Result<()> {
+    let targets = report::targets(all);
+    let mut md = String::new();
+    for (scenario, results) in all {
+        md.push_str(&format!("### {scenario}\n\n{}\n", report::table(results)));
+    }
+    md.push_str(&format!(
+        "### targets\n\n{}",
+        report::targets_table(&targets)
+    ));
+    println!("\n{md}");
+    std::fs::write(a.out.join("results.md"), &md)?;
+    let scenarios: serde_json::Map<String, serde_json::Value> = all
+        .iter()
+        .map(|(s, r)| Ok((s.clone(), serde_json::to_value(r)?)))
+        .collect::<Result<_, serde_json::Error>>()?;
+    let json = json!({
+        "config": {
+            "trace": a.trace.display().to_string(), "limit": a.limit,
+            "engines": a.engines, "speed": a.speed, "burst_speed": a.burst_speed,
+            "rate_scale": a.rate_scale, "block_size": a.block_size,
+            "capacity_blocks": a.capacity_blocks, "prefill_tokens_per_s": a.prefill_tokens_per_s,
+            "decode_ms_per_token": a.decode_ms_per_token, "seed": a.seed,
+            "filter_config": a.filter_config,
+            "burst": {"requests": a.burst_requests, "shared_tokens": a.burst_shared_tokens,
+                      "tail_tokens": a.burst_tail_tokens, "cold": a.burst_cold},
+        },
+        "scenarios": scenarios,
+        "targets": targets,
+    });
+    std::fs::write(
+        a.out.join("results.json"),
+        serde_json::to_string_pretty(&json)?,
+    )?;
     Ok(())
 }

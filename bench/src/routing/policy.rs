@@ -1,6 +1,8 @@
 //! The in-process routing policies of the bench: round-robin, least-request, kvroute (the
-//! real collector's `/query` answer + the core's `select::pick`) and the oracle (the same
-//! decision on every engine's exact cache contents).
+//! real collector's `/query` answer + the core's `select::pick`), the oracle (the same
+//! decision on every engine's exact cache contents), longest-prefix-only (the collector's
+//! answer, deepest match wins whatever the queue, as vllm-router's `kv_aware` does), and
+//! [`Alternate`], which spreads requests over gateway replicas (the shipped path).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -122,6 +124,16 @@ impl Route for LeastRequest {
     }
 }
 
+/// How the KV-aware router chooses among engines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice {
+    /// The core's cost (`select::pick`): cache credit against queued prefill.
+    Cost,
+    /// The deepest match wins, ties by fewest requests in flight; no match anywhere → fewest
+    /// requests in flight. Load never outweighs a longer match.
+    LongestPrefix,
+}
+
 /// Where the KV-aware router learns what each engine caches.
 #[derive(Debug)]
 pub enum MatchSource {
@@ -145,6 +157,7 @@ pub struct KvAware {
     source: MatchSource,
     block_size: u32,
     weights: Weights,
+    choice: Choice,
     load: Load,
     rng: Mutex<SplitMix64>,
     /// Query failures (the request then falls back).
@@ -159,10 +172,17 @@ impl KvAware {
             source,
             block_size,
             weights: Weights::default(),
+            choice: Choice::Cost,
             load: Load::new(n),
             rng: Mutex::new(SplitMix64(seed)),
             query_errors: AtomicU64::new(0),
         }
+    }
+
+    /// The same router deciding by `choice`.
+    pub fn with_choice(mut self, choice: Choice) -> KvAware {
+        self.choice = choice;
+        self
     }
 
     /// Matched blocks `[gpu, cpu, disk]` and dp rank per slot.
@@ -252,7 +272,11 @@ impl Route for KvAware {
                     in_flight_prefill_tokens: self.load.prefill_tokens[i].load(Ordering::Relaxed),
                 })
                 .collect();
-            let (slot, rank) = {
+            let (slot, rank) = if self.choice == Choice::LongestPrefix {
+                let mut rng = self.rng.lock().expect("rng");
+                let slot = longest_prefix(&candidates, &mut rng);
+                (slot, Some(matches[slot].1))
+            } else {
                 let mut rng = self.rng.lock().expect("rng");
                 match select::pick(
                     &candidates,
@@ -302,6 +326,44 @@ impl Route for KvAware {
     }
 }
 
+/// The deepest match (any tier), then the fewest requests in flight, then random.
+fn longest_prefix(c: &[Candidate], rng: &mut SplitMix64) -> usize {
+    let key = |c: &Candidate| (c.matched[2], std::cmp::Reverse(c.in_flight_requests));
+    let best = c.iter().map(key).max().unwrap_or((0, std::cmp::Reverse(0)));
+    let ties: Vec<usize> = (0..c.len()).filter(|&i| key(&c[i]) == best).collect();
+    ties[(select::Random::next_u64(rng) % ties.len().max(1) as u64) as usize]
+}
+
+/// Spreads requests over gateway replicas in turn (requests alternate between them); the
+/// gateways decide the engine.
+#[derive(Debug)]
+pub struct Alternate {
+    urls: Vec<String>,
+    next: AtomicUsize,
+}
+
+impl Alternate {
+    pub fn new(urls: Vec<String>) -> Alternate {
+        Alternate {
+            urls,
+            next: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl Route for Alternate {
+    fn route<'a>(&'a self, _req: RouteRequest<'a>) -> BoxFuture<'a, Decision> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.urls.len().max(1);
+        let d = Decision {
+            url: self.urls.get(i).cloned().unwrap_or_default(),
+            dp_rank: None,
+            slot: i,
+            uncached_tokens: 0,
+        };
+        Box::pin(async move { d })
+    }
+}
+
 /// The cheapest candidate by `select::cost`, random among exact ties.
 fn least_cost(
     c: &[Candidate],
@@ -348,6 +410,57 @@ mod tests {
             least_cost(&c, 4, 16, &Weights::default(), &mut SplitMix64(1)),
             1
         );
+    }
+
+    #[test]
+    fn longest_prefix_ignores_load_and_breaks_ties_by_requests() {
+        let c = [
+            Candidate {
+                matched: [2, 2, 2],
+                in_flight_requests: 0,
+                ..Candidate::default()
+            },
+            Candidate {
+                matched: [8, 8, 8],
+                in_flight_requests: 50,
+                in_flight_prefill_tokens: 1 << 20,
+                ..Candidate::default()
+            },
+            Candidate {
+                matched: [8, 8, 8],
+                in_flight_requests: 60,
+                ..Candidate::default()
+            },
+        ];
+        assert_eq!(longest_prefix(&c, &mut SplitMix64(1)), 1);
+        let cold = [
+            Candidate {
+                in_flight_requests: 3,
+                ..Candidate::default()
+            },
+            Candidate {
+                in_flight_requests: 1,
+                ..Candidate::default()
+            },
+        ];
+        assert_eq!(longest_prefix(&cold, &mut SplitMix64(1)), 1);
+    }
+
+    #[tokio::test]
+    async fn alternate_takes_the_gateways_in_turn() {
+        let a = Alternate::new(vec!["http://g0".into(), "http://g1".into()]);
+        let mut urls = Vec::new();
+        for i in 0..4 {
+            urls.push(
+                a.route(RouteRequest {
+                    index: i,
+                    tokens: &[],
+                })
+                .await
+                .url,
+            );
+        }
+        assert_eq!(urls, ["http://g0", "http://g1", "http://g0", "http://g1"]);
     }
 
     #[tokio::test]

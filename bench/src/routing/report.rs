@@ -72,10 +72,184 @@ pub struct PolicyResult {
     pub prefill_utilization: f64,
     /// Wall-clock seconds the run took.
     pub wall_s: f64,
-    /// Requests whose index query failed (kvroute only).
+    /// Requests whose index query failed (in-process KV-aware policies).
     pub query_errors: u64,
+    /// The filter's Envoy counters (`kvroute.*`), summed over the gateways (shipped path).
+    pub gateway_stats: std::collections::BTreeMap<String, u64>,
     #[serde(skip)]
     pub results: Vec<RequestResult>,
+}
+
+impl PolicyResult {
+    /// A policy that did not run, and why.
+    pub fn skipped(policy: &str, why: String) -> PolicyResult {
+        PolicyResult {
+            policy: policy.to_string(),
+            skipped: Some(why),
+            summary: None,
+            engines: EngineLoad::default(),
+            prefill_utilization: 0.0,
+            wall_s: 0.0,
+            query_errors: 0,
+            gateway_stats: Default::default(),
+            results: Vec::new(),
+        }
+    }
+}
+
+/// One target of the benchmark, checked on a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct TargetCheck {
+    pub scenario: &'static str,
+    pub target: String,
+    pub measured: f64,
+    pub bound: f64,
+    /// `None` when a policy it needs did not run.
+    pub met: Option<bool>,
+}
+
+fn find<'a>(
+    all: &'a [(String, Vec<PolicyResult>)],
+    scenario: &str,
+    policy: &str,
+) -> Option<&'a PolicyResult> {
+    all.iter()
+        .filter(|(s, _)| s == scenario)
+        .flat_map(|(_, r)| r)
+        .find(|r| r.policy == policy && r.summary.is_some())
+}
+
+/// The targets for the shipped kvroute (`measured ≤ bound`, except the hit rate:
+/// `measured ≥ bound`).
+pub fn targets(all: &[(String, Vec<PolicyResult>)]) -> Vec<TargetCheck> {
+    let p50 = |r: &PolicyResult| r.summary.as_ref().map_or(f64::NAN, |s| s.model_ttft_p50_s);
+    let p90 = |r: &PolicyResult| r.summary.as_ref().map_or(f64::NAN, |s| s.model_ttft_p90_s);
+    let mut out = Vec::new();
+    let mut check = |scenario,
+                     target: &str,
+                     kv: Option<&PolicyResult>,
+                     other: Option<&PolicyResult>,
+                     f: &dyn Fn(&PolicyResult) -> f64,
+                     factor: f64,
+                     at_least: bool| {
+        let (measured, bound) = match (kv, other) {
+            (Some(k), Some(o)) => (f(k), f(o) * factor),
+            _ => (f64::NAN, f64::NAN),
+        };
+        let met = if measured.is_nan() || bound.is_nan() {
+            None
+        } else if at_least {
+            Some(measured >= bound)
+        } else {
+            Some(measured <= bound)
+        };
+        out.push(TargetCheck {
+            scenario,
+            target: target.to_string(),
+            measured,
+            bound,
+            met,
+        });
+    };
+    let kv = find(all, "trace", "kvroute");
+    let vr = find(all, "trace", "vllm-router");
+    let or = find(all, "trace", "oracle");
+    check(
+        "trace",
+        "TTFT p50 ≤ 0.9× vllm-router's",
+        kv,
+        vr,
+        &p50,
+        0.9,
+        false,
+    );
+    check(
+        "trace",
+        "TTFT p90 ≤ 0.9× vllm-router's",
+        kv,
+        vr,
+        &p90,
+        0.9,
+        false,
+    );
+    check(
+        "trace",
+        "TTFT p50 ≤ 1.05× the oracle's",
+        kv,
+        or,
+        &p50,
+        1.05,
+        false,
+    );
+    check(
+        "trace",
+        "TTFT p90 ≤ 1.05× the oracle's",
+        kv,
+        or,
+        &p90,
+        1.05,
+        false,
+    );
+    check(
+        "trace",
+        "hit rate ≥ the oracle's",
+        kv,
+        or,
+        &|r| r.engines.hit_rate(),
+        1.0,
+        true,
+    );
+    let two = find(all, "replicas", "kvroute-2gw");
+    check(
+        "replicas",
+        "two gateways: TTFT p90 ≤ 1.05× one gateway's",
+        two,
+        kv,
+        &p90,
+        1.05,
+        false,
+    );
+    check(
+        "burst",
+        "TTFT p90 ≤ 0.5× longest-prefix's",
+        find(all, "burst", "kvroute"),
+        find(all, "burst", "longest-prefix"),
+        &p90,
+        0.5,
+        false,
+    );
+    let load = kv.map(|k| k.engines.request_spread());
+    out.push(TargetCheck {
+        scenario: "trace",
+        target: "max/mean requests per engine ≤ 1.1".into(),
+        measured: load.unwrap_or(f64::NAN),
+        bound: 1.1,
+        met: load.map(|l| l <= 1.1),
+    });
+    out
+}
+
+/// The targets as a markdown table.
+pub fn targets_table(t: &[TargetCheck]) -> String {
+    let mut s = String::from(
+        "| scenario | target (shipped kvroute) | measured | bound | met |\n|---|---|---|---|---|\n",
+    );
+    for c in t {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {:.3} | {:.3} | {} |",
+            c.scenario,
+            c.target,
+            c.measured,
+            c.bound,
+            match c.met {
+                Some(true) => "met",
+                Some(false) => "**not met**",
+                None => "not run",
+            }
+        );
+    }
+    s
 }
 
 fn ms(s: f64) -> String {
