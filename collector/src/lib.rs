@@ -7,7 +7,8 @@
 //! # Layout
 //!
 //! - [`zmq`]: one subscriber task per registered worker; sequence tracking, replay, restarts.
-//! - [`decode`]: msgpack batches of every engine version → normalized events.
+//! - [`decode`]: msgpack batches of every engine version → normalized events, read with
+//!   [`msgpack`]'s bounded reader.
 //! - [`chunk`]: SGLang pages → blocks of the registered size.
 //! - [`hub`]: the state behind one lock: worker table, index, feed log; apply and query.
 //! - [`feedlog`]: the bounded delta log and paged snapshots of `/v1/feed`.
@@ -27,6 +28,7 @@ pub mod fastjson;
 pub mod feedlog;
 pub mod hub;
 pub mod metrics;
+pub mod msgpack;
 pub mod state;
 pub mod testing;
 
