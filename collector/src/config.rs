@@ -13,6 +13,8 @@ use serde::Deserialize;
 
 use kvroute::api::RegisterRequest;
 
+use crate::hub::{Limits, MAX_WORKERS};
+
 /// `--listen` default: loopback only.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:9090";
 
@@ -82,6 +84,27 @@ pub struct Cli {
     /// Most HTTP requests served at once [default: 1024].
     #[arg(long, value_name = "N")]
     pub max_concurrent_requests: Option<usize>,
+    /// Served names (LoRA names) one registration's events may add [default: 64].
+    #[arg(long, value_name = "N")]
+    pub max_aliases_per_worker: Option<usize>,
+    /// Served names in all [default: 16384].
+    #[arg(long, value_name = "N")]
+    pub max_aliases: Option<usize>,
+    /// dp ranks one registration's batches may name besides its own [default: 64].
+    #[arg(long, value_name = "N")]
+    pub max_dp_ranks_per_worker: Option<usize>,
+    /// Workers named by batches' dp ranks in all; the other slots stay for /register [default: 1024].
+    #[arg(long, value_name = "N")]
+    pub max_dp_workers: Option<usize>,
+    /// SGLang page records held in all [default: 16777216].
+    #[arg(long, value_name = "N")]
+    pub max_pages: Option<usize>,
+    /// Most blocks applied per hold of the state lock; bigger batches go in slices [default: 65536].
+    #[arg(long, value_name = "N")]
+    pub ingest_slice_blocks: Option<usize>,
+    /// /health says "degraded" while a batch has been applying longer than this, seconds [default: 2].
+    #[arg(long, value_name = "SECS")]
+    pub ingest_lag_degraded_secs: Option<f64>,
 }
 
 /// The `--config` file.
@@ -104,6 +127,13 @@ pub struct FileConfig {
     pub replay_timeout_secs: Option<f64>,
     pub snapshot_interval_secs: Option<f64>,
     pub max_concurrent_requests: Option<usize>,
+    pub max_aliases_per_worker: Option<usize>,
+    pub max_aliases: Option<usize>,
+    pub max_dp_ranks_per_worker: Option<usize>,
+    pub max_dp_workers: Option<usize>,
+    pub max_pages: Option<usize>,
+    pub ingest_slice_blocks: Option<usize>,
+    pub ingest_lag_degraded_secs: Option<f64>,
 }
 
 /// The validated settings.
@@ -128,6 +158,10 @@ pub struct Config {
     pub replay_timeout: Duration,
     pub snapshot_interval: Duration,
     pub max_concurrent_requests: usize,
+    /// Caps on what engines' events may create.
+    pub limits: Limits,
+    /// `/health` is degraded while a batch has been applying longer than this.
+    pub ingest_lag_degraded: Duration,
 }
 
 impl Default for Config {
@@ -149,6 +183,8 @@ impl Default for Config {
             replay_timeout: Duration::from_secs(5),
             snapshot_interval: Duration::from_secs(30),
             max_concurrent_requests: 1024,
+            limits: Limits::default(),
+            ingest_lag_degraded: Duration::from_secs(2),
         }
     }
 }
@@ -273,6 +309,51 @@ impl Cli {
                 self.max_concurrent_requests
                     .or(file.max_concurrent_requests),
                 d.max_concurrent_requests,
+            )?,
+            limits: Limits {
+                aliases_per_worker: positive(
+                    "max-aliases-per-worker",
+                    self.max_aliases_per_worker.or(file.max_aliases_per_worker),
+                    d.limits.aliases_per_worker,
+                )?,
+                aliases: positive(
+                    "max-aliases",
+                    self.max_aliases.or(file.max_aliases),
+                    d.limits.aliases,
+                )?,
+                dp_ranks_per_worker: positive(
+                    "max-dp-ranks-per-worker",
+                    self.max_dp_ranks_per_worker
+                        .or(file.max_dp_ranks_per_worker),
+                    d.limits.dp_ranks_per_worker,
+                )?,
+                dp_workers: match self.max_dp_workers.or(file.max_dp_workers) {
+                    Some(n) if n >= MAX_WORKERS => {
+                        return Err(ConfigError::Value {
+                            flag: "max-dp-workers",
+                            msg: format!(
+                                "must be below {MAX_WORKERS}, leaving slots for /register"
+                            ),
+                        })
+                    }
+                    v => positive("max-dp-workers", v, d.limits.dp_workers)?,
+                },
+                pages: positive(
+                    "max-pages",
+                    self.max_pages.or(file.max_pages),
+                    d.limits.pages,
+                )?,
+                slice_blocks: positive(
+                    "ingest-slice-blocks",
+                    self.ingest_slice_blocks.or(file.ingest_slice_blocks),
+                    d.limits.slice_blocks,
+                )?,
+            },
+            ingest_lag_degraded: secs(
+                "ingest-lag-degraded-secs",
+                self.ingest_lag_degraded_secs
+                    .or(file.ingest_lag_degraded_secs),
+                d.ingest_lag_degraded,
             )?,
         })
     }

@@ -333,6 +333,129 @@ fn salt_of(keys: Vec<ExtraKey>, lora_name: Option<&str>) -> Option<String> {
     plain
 }
 
+/// The event-shaped values: engine hashes, token lists, `extra_keys`.
+impl Reader<'_> {
+    /// An engine hash: u64, i64 (two's-complement bits) or bin (last 8 bytes, big-endian).
+    fn hash(&mut self) -> Result<EngineHash, DecodeError> {
+        let at = self.at();
+        if let Some(v) = self.int()? {
+            return Ok(EngineHash(v as u64));
+        }
+        if let Some(bytes) = self.bin()? {
+            let tail = &bytes[bytes.len().saturating_sub(8)..];
+            return Ok(EngineHash(
+                tail.iter().fold(0u64, |acc, &b| acc << 8 | b as u64),
+            ));
+        }
+        Err(DecodeError::Type {
+            at,
+            expected: "block hash (int or bytes)",
+        })
+    }
+
+    /// A parent hash; nil, and the llm-d-inference-sim's `0`, mean none.
+    fn opt_hash(&mut self) -> Result<Option<EngineHash>, DecodeError> {
+        if self.peek()? == 0xc0 {
+            self.u8()?;
+            return Ok(None);
+        }
+        Ok(Some(self.hash()?).filter(|h| h.0 != 0))
+    }
+
+    fn hashes(&mut self) -> Result<Vec<EngineHash>, DecodeError> {
+        let n = self.array_len()?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            out.push(self.hash()?);
+        }
+        Ok(out)
+    }
+
+    /// Token ids: u32s, or SGLang EAGLE bigram pairs `[a, b]`, of which the first is the token.
+    fn tokens(&mut self) -> Result<Vec<u32>, DecodeError> {
+        let n = self.array_len()?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let at = self.at();
+            // Fast path: positive fixint, the common case for small vocabularies' first ids.
+            let m = self.peek()?;
+            let v = if m <= 0x7f {
+                self.u8()?;
+                m as i128
+            } else if is_array(m) {
+                let k = self.array_len()?;
+                if k == 0 {
+                    return Err(DecodeError::Value {
+                        at,
+                        what: "empty token pair",
+                    });
+                }
+                let first = self.int()?.ok_or(DecodeError::Type {
+                    at,
+                    expected: "token id",
+                })?;
+                for _ in 1..k {
+                    self.skip(1)?;
+                }
+                first
+            } else {
+                self.int()?.ok_or(DecodeError::Type {
+                    at,
+                    expected: "token id",
+                })?
+            };
+            out.push(u32::try_from(v).map_err(|_| DecodeError::Value {
+                at,
+                what: "token id out of u32 range",
+            })?);
+        }
+        Ok(out)
+    }
+
+    /// `extra_keys`: nil, or one entry per block; only the first block's entry matters.
+    fn extra_keys(&mut self) -> Result<Option<Vec<ExtraKey>>, DecodeError> {
+        if self.peek()? == 0xc0 {
+            self.u8()?;
+            return Ok(None);
+        }
+        let n = self.array_len()?;
+        let mut first = None;
+        for i in 0..n {
+            if i > 0 || !is_array(self.peek()?) {
+                self.skip(1)?;
+                continue;
+            }
+            let k = self.array_len()?;
+            let mut keys = Vec::with_capacity(k.min(16));
+            for _ in 0..k {
+                let m = self.peek()?;
+                if let Some(s) = self.str_bytes()? {
+                    keys.push(ExtraKey::Str(String::from_utf8_lossy(s).into_owned()));
+                } else if is_array(m) {
+                    let len = self.array_len()?;
+                    let mut parts = [None, None];
+                    for j in 0..len {
+                        match (self.str_bytes()?, parts.get_mut(j)) {
+                            (Some(s), Some(slot)) => {
+                                *slot = Some(String::from_utf8_lossy(s).into_owned())
+                            }
+                            (Some(_), None) => {}
+                            (None, _) => self.skip(2)?,
+                        }
+                    }
+                    let [a, b] = parts;
+                    keys.push(ExtraKey::Pair(a, b));
+                } else {
+                    self.skip(1)?;
+                    keys.push(ExtraKey::Other);
+                }
+            }
+            first = Some(keys);
+        }
+        Ok(first)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -864,7 +864,7 @@ fn rss_per_million(entries: usize) -> f64 {
                     Some(0),
                 ))
                 .expect("decode");
-                state.write().apply_batch(id, seq, batch, &state.metrics);
+                state.apply_batch_blocking(id, seq, batch);
                 seq += 1;
                 chain += 16;
                 done += 16 * 64;
