@@ -270,14 +270,9 @@ impl Hub {
             ..
         } = &event
         {
-            if !self
-                .aliases
-                .contains_key(&(tenant.to_owned(), lora.clone()))
-            {
-                let lora = lora.clone();
-                if let Err(l) = self.add_alias(tenant, &lora, model, Some(job.source)) {
-                    job.report.limits.hit(l, 1);
-                }
+            let lora = lora.clone();
+            if let Err(l) = self.add_alias(tenant, &lora, model, Some(job.source)) {
+                job.report.limits.hit(l, 1);
             }
         }
         let wants = match self.chunkers.get(&worker) {
