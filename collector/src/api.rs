@@ -349,6 +349,8 @@ async fn health(State(state): State<AppState>) -> Response {
 
 async fn metrics(State(state): State<AppState>) -> Response {
     state.read().update_gauges(&state.metrics);
+    // Also refreshes the ingest lag gauge.
+    state.problems();
     let body = state.metrics.encode();
     (
         [(

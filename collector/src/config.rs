@@ -99,7 +99,7 @@ pub struct Cli {
     /// SGLang page records held in all [default: 16777216].
     #[arg(long, value_name = "N")]
     pub max_pages: Option<usize>,
-    /// Most blocks applied per hold of the state lock; bigger batches go in slices [default: 65536].
+    /// Most blocks applied per hold of the state lock; bigger batches go in slices [default: 8192].
     #[arg(long, value_name = "N")]
     pub ingest_slice_blocks: Option<usize>,
     /// /health says "degraded" while a batch has been applying longer than this, seconds [default: 2].

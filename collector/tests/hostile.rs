@@ -370,7 +370,8 @@ async fn a_huge_batch_goes_in_slices_while_queries_keep_answering() {
 #[ignore = "a 3.5M-block batch: run in release for the p99 figure"]
 async fn p99_of_queries_during_a_3_5m_block_batch() {
     let start = Instant::now();
-    let (lat, slices) = queries_during_a_huge_batch(3_500_000, 8192).await;
+    let (lat, slices) =
+        queries_during_a_huge_batch(3_500_000, Limits::default().slice_blocks).await;
     let p = |q: f64| lat[((lat.len() - 1) as f64 * q) as usize];
     println!(
         "3.5M blocks in {slices} slices, {:?}: {} queries, p50 {:?} p99 {:?} max {:?}",

@@ -137,7 +137,7 @@ impl Default for Limits {
             dp_ranks_per_worker: 64,
             dp_workers: 1024,
             pages: 1 << 24,
-            slice_blocks: 1 << 16,
+            slice_blocks: 1 << 13,
         }
     }
 }
