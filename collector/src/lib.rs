@@ -145,8 +145,9 @@ impl Shared {
         lock(&self.ingesting).insert(source, Instant::now());
         while !self.write().ingest(&mut job) {
             // Let the readers and writers that queued on the lock in before the next slice.
-            tokio::task::yield_now().await;
-            std::thread::yield_now();
+            // A yield alone lets this thread take the lock straight back before the woken
+            // readers run; the shortest timer sleep does not.
+            tokio::time::sleep(std::time::Duration::from_micros(100)).await;
         }
         lock(&self.ingesting).remove(&source);
         self.count(&job.report);
