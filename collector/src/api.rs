@@ -342,11 +342,20 @@ async fn health(State(state): State<AppState>) -> Response {
     let connected = hub.workers().filter(|w| w.status.connected).count();
     let epoch = hub.feed.epoch();
     drop(hub);
-    Json(serde_json::json!({ "status": "ok", "workers": workers, "connected": connected, "epoch": epoch })).into_response()
+    // Degraded still answers 200: the collector serves; the reasons say what is wrong.
+    let problems = state.problems();
+    let status = if problems.is_empty() {
+        "ok"
+    } else {
+        "degraded"
+    };
+    Json(serde_json::json!({ "status": status, "reasons": problems, "workers": workers, "connected": connected, "epoch": epoch })).into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
     state.read().update_gauges(&state.metrics);
+    // Also refreshes the ingest lag gauge.
+    state.problems();
     let body = state.metrics.encode();
     (
         [(

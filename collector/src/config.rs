@@ -13,6 +13,8 @@ use serde::Deserialize;
 
 use kvroute::api::RegisterRequest;
 
+use crate::hub::{Limits, MAX_WORKERS};
+
 /// `--listen` default: loopback only.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:9090";
 
@@ -100,6 +102,27 @@ pub struct Cli {
     /// Allow a non-loopback --listen without --admin-token (anyone who reaches it may /register).
     #[arg(long)]
     pub insecure_no_auth: bool,
+    /// Served names (LoRA names) one registration's events may add [default: 64].
+    #[arg(long, value_name = "N")]
+    pub max_aliases_per_worker: Option<usize>,
+    /// Served names in all [default: 16384].
+    #[arg(long, value_name = "N")]
+    pub max_aliases: Option<usize>,
+    /// dp ranks one registration's batches may name besides its own [default: 64].
+    #[arg(long, value_name = "N")]
+    pub max_dp_ranks_per_worker: Option<usize>,
+    /// Workers named by batches' dp ranks in all; the other slots stay for /register [default: 1024].
+    #[arg(long, value_name = "N")]
+    pub max_dp_workers: Option<usize>,
+    /// SGLang page records held in all [default: 16777216].
+    #[arg(long, value_name = "N")]
+    pub max_pages: Option<usize>,
+    /// Most blocks applied per hold of the state lock; bigger batches go in slices [default: 8192].
+    #[arg(long, value_name = "N")]
+    pub ingest_slice_blocks: Option<usize>,
+    /// /health says "degraded" while a batch has been applying longer than this, seconds [default: 2].
+    #[arg(long, value_name = "SECS")]
+    pub ingest_lag_degraded_secs: Option<f64>,
 }
 
 /// The `--config` file.
@@ -129,6 +152,13 @@ pub struct FileConfig {
     pub max_zmq_message_bytes: Option<usize>,
     #[serde(default)]
     pub insecure_no_auth: bool,
+    pub max_aliases_per_worker: Option<usize>,
+    pub max_aliases: Option<usize>,
+    pub max_dp_ranks_per_worker: Option<usize>,
+    pub max_dp_workers: Option<usize>,
+    pub max_pages: Option<usize>,
+    pub ingest_slice_blocks: Option<usize>,
+    pub ingest_lag_degraded_secs: Option<f64>,
 }
 
 /// The validated settings.
@@ -163,6 +193,10 @@ pub struct Config {
     pub max_zmq_message_bytes: usize,
     /// A non-loopback listener without an admin token was asked for explicitly.
     pub insecure_no_auth: bool,
+    /// Caps on what engines' events may create.
+    pub limits: Limits,
+    /// `/health` is degraded while a batch has been applying longer than this.
+    pub ingest_lag_degraded: Duration,
 }
 
 impl Default for Config {
@@ -192,6 +226,8 @@ impl Default for Config {
             // A real engine batch is a few KiB; vLLM's largest is far under this.
             max_zmq_message_bytes: 8 << 20,
             insecure_no_auth: false,
+            limits: Limits::default(),
+            ingest_lag_degraded: Duration::from_secs(2),
         }
     }
 }
@@ -367,6 +403,51 @@ impl Cli {
                 d.max_zmq_message_bytes,
             )?,
             insecure_no_auth,
+            limits: Limits {
+                aliases_per_worker: positive(
+                    "max-aliases-per-worker",
+                    self.max_aliases_per_worker.or(file.max_aliases_per_worker),
+                    d.limits.aliases_per_worker,
+                )?,
+                aliases: positive(
+                    "max-aliases",
+                    self.max_aliases.or(file.max_aliases),
+                    d.limits.aliases,
+                )?,
+                dp_ranks_per_worker: positive(
+                    "max-dp-ranks-per-worker",
+                    self.max_dp_ranks_per_worker
+                        .or(file.max_dp_ranks_per_worker),
+                    d.limits.dp_ranks_per_worker,
+                )?,
+                dp_workers: match self.max_dp_workers.or(file.max_dp_workers) {
+                    Some(n) if n >= MAX_WORKERS => {
+                        return Err(ConfigError::Value {
+                            flag: "max-dp-workers",
+                            msg: format!(
+                                "must be below {MAX_WORKERS}, leaving slots for /register"
+                            ),
+                        })
+                    }
+                    v => positive("max-dp-workers", v, d.limits.dp_workers)?,
+                },
+                pages: positive(
+                    "max-pages",
+                    self.max_pages.or(file.max_pages),
+                    d.limits.pages,
+                )?,
+                slice_blocks: positive(
+                    "ingest-slice-blocks",
+                    self.ingest_slice_blocks.or(file.ingest_slice_blocks),
+                    d.limits.slice_blocks,
+                )?,
+            },
+            ingest_lag_degraded: secs(
+                "ingest-lag-degraded-secs",
+                self.ingest_lag_degraded_secs
+                    .or(file.ingest_lag_degraded_secs),
+                d.ingest_lag_degraded,
+            )?,
         })
     }
 }

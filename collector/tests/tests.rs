@@ -10,3 +10,5 @@ mod zmq_flow;
 mod http;
 // The binary: --help, bad flags, SIGTERM.
 mod cli;
+// Hostile engines and state files: caps, slices, files moved aside.
+mod hostile;
