@@ -141,7 +141,7 @@ pub fn parse(text: &str) -> Result<BTreeMap<u32, RankFigures>, ScrapeError> {
             .next()
             .ok_or_else(|| bad("no value"))?;
         let value: f64 = value.parse().map_err(|_| bad("value is not a number"))?;
-        if !value.is_finite() || value < 0.0 || value > MAX_COUNT {
+        if !(0.0..=MAX_COUNT).contains(&value) {
             return Err(bad("value out of range"));
         }
         let acc = ranks.entry(rank).or_default();

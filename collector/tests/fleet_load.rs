@@ -252,3 +252,32 @@ async fn unregistered_workers_leave_the_fleet_view() {
     let b2 = c.register("10.0.0.3:8000", 0, "10.0.0.3:8000").await;
     assert_eq!(worker(&c.load().await, b2)["requests"], 0);
 }
+
+#[test]
+fn fleet_flags_have_defaults_and_are_validated() {
+    use clap::Parser;
+    use kvroute_collector::config::Cli;
+    let parse = |args: &[&str]| {
+        let mut argv = vec!["kvroute-collector"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).unwrap().into_config()
+    };
+    let d = parse(&[]).unwrap();
+    assert_eq!(d.gateway_timeout, Duration::from_secs(5));
+    assert_eq!(d.max_gateways, 64);
+    assert_eq!(d.scrape_interval, Duration::from_millis(500));
+    assert_eq!(d.scrape_timeout, Duration::from_millis(250));
+    assert_eq!(d.engine_stale, Duration::from_secs(2));
+    assert_eq!(d.max_metrics_bytes, 1 << 20);
+    let c = parse(&["--scrape-interval-secs", "0", "--max-gateways", "3"]).unwrap();
+    assert!(c.scrape_interval.is_zero());
+    assert_eq!(c.max_gateways, 3);
+    for bad in [
+        &["--scrape-timeout-secs", "0"][..],
+        &["--max-gateways", "0"],
+        &["--max-metrics-bytes", "0"],
+        &["--gateway-timeout-secs=-1"],
+    ] {
+        assert!(parse(bad).is_err(), "{bad:?} accepted");
+    }
+}
