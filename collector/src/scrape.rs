@@ -361,9 +361,15 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
                 Ok(ranks) => {
                     backoff.remove(&t.address);
                     state.metrics.engine_scrapes.inc();
+                    // Lock order: fleet, then hub. A worker unregistered (and its slot
+                    // perhaps reused) while the scrape ran must not get this engine's figures.
                     let mut fleet = state.fleet();
+                    let hub = state.read();
                     for (worker, rank) in &t.workers {
-                        if let Some(f) = ranks.get(rank) {
+                        let same = hub
+                            .worker(*worker)
+                            .is_some_and(|w| w.address() == t.address && w.dp_rank() == *rank);
+                        if let (true, Some(f)) = (same, ranks.get(rank)) {
                             fleet.set_engine(
                                 *worker,
                                 EngineSample {
