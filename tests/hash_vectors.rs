@@ -18,8 +18,7 @@ fn every_contract_vector_passes() {
         env!("CARGO_MANIFEST_DIR"),
         "/testdata/vectors/hash_contract.json"
     );
-    let text = std::fs::read_to_string(path)
-        .expect("testdata/vectors/hash_contract.json in the repository");
+    let text = std::fs::read_to_string(path).expect("testdata/vectors/hash_contract.json in the repository");
     let doc: Value = serde_json::from_str(&text).unwrap();
     let cases = doc["cases"].as_array().unwrap();
     assert!(cases.len() >= 5);

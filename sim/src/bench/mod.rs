@@ -53,7 +53,10 @@ pub const POLICIES: [&str; 6] = [
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Mooncake-format trace.
-    #[arg(long, default_value = "testdata/traces/mooncake_synthetic_trace.jsonl")]
+    #[arg(
+        long,
+        default_value = "testdata/traces/mooncake_synthetic_trace.jsonl"
+    )]
     pub trace: PathBuf,
     /// Replay only the first N requests.
     #[arg(long)]
