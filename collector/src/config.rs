@@ -40,7 +40,7 @@ pub struct Cli {
         hide_env_values = true
     )]
     pub admin_token: Option<String>,
-    /// Bearer token required on /query, /query_by_hash, /workers and /v1/feed.
+    /// Bearer token required on /query, /query_by_hash, /workers, /v1/feed and /v1/load.
     #[arg(
         long,
         value_name = "TOKEN",
@@ -123,6 +123,24 @@ pub struct Cli {
     /// /health says "degraded" while a batch has been applying longer than this, seconds [default: 2].
     #[arg(long, value_name = "SECS")]
     pub ingest_lag_degraded_secs: Option<f64>,
+    /// A gateway that has not posted /v1/load for this long is dropped from the fleet sums, seconds [default: 5].
+    #[arg(long, value_name = "SECS")]
+    pub gateway_timeout_secs: Option<f64>,
+    /// Most gateways reporting load at once; a new one past it is refused [default: 64].
+    #[arg(long, value_name = "N")]
+    pub max_gateways: Option<usize>,
+    /// Interval between scrapes of each engine's /metrics, seconds; 0 disables [default: 0.5].
+    #[arg(long, value_name = "SECS")]
+    pub scrape_interval_secs: Option<f64>,
+    /// Longest one engine /metrics scrape may take, seconds [default: 0.25].
+    #[arg(long, value_name = "SECS")]
+    pub scrape_timeout_secs: Option<f64>,
+    /// Age past which an engine sample is reported stale, seconds [default: 2].
+    #[arg(long, value_name = "SECS")]
+    pub engine_stale_secs: Option<f64>,
+    /// Largest engine /metrics page read; reading stops there [default: 1048576].
+    #[arg(long, value_name = "BYTES")]
+    pub max_metrics_bytes: Option<usize>,
 }
 
 /// The `--config` file.
@@ -159,6 +177,12 @@ pub struct FileConfig {
     pub max_pages: Option<usize>,
     pub ingest_slice_blocks: Option<usize>,
     pub ingest_lag_degraded_secs: Option<f64>,
+    pub gateway_timeout_secs: Option<f64>,
+    pub max_gateways: Option<usize>,
+    pub scrape_interval_secs: Option<f64>,
+    pub scrape_timeout_secs: Option<f64>,
+    pub engine_stale_secs: Option<f64>,
+    pub max_metrics_bytes: Option<usize>,
 }
 
 /// The validated settings.
@@ -197,6 +221,14 @@ pub struct Config {
     pub limits: Limits,
     /// `/health` is degraded while a batch has been applying longer than this.
     pub ingest_lag_degraded: Duration,
+    /// Gateways silent this long leave the fleet sums.
+    pub gateway_timeout: Duration,
+    pub max_gateways: usize,
+    /// Engine `/metrics` scrape interval; zero disables scraping.
+    pub scrape_interval: Duration,
+    pub scrape_timeout: Duration,
+    pub engine_stale: Duration,
+    pub max_metrics_bytes: usize,
 }
 
 impl Default for Config {
@@ -228,6 +260,12 @@ impl Default for Config {
             insecure_no_auth: false,
             limits: Limits::default(),
             ingest_lag_degraded: Duration::from_secs(2),
+            gateway_timeout: Duration::from_secs(5),
+            max_gateways: 64,
+            scrape_interval: Duration::from_millis(500),
+            scrape_timeout: Duration::from_millis(250),
+            engine_stale: Duration::from_secs(2),
+            max_metrics_bytes: 1 << 20,
         }
     }
 }
@@ -447,6 +485,44 @@ impl Cli {
                 self.ingest_lag_degraded_secs
                     .or(file.ingest_lag_degraded_secs),
                 d.ingest_lag_degraded,
+            )?,
+            gateway_timeout: secs(
+                "gateway-timeout-secs",
+                self.gateway_timeout_secs.or(file.gateway_timeout_secs),
+                d.gateway_timeout,
+            )?,
+            max_gateways: positive(
+                "max-gateways",
+                self.max_gateways.or(file.max_gateways),
+                d.max_gateways,
+            )?,
+            scrape_interval: secs(
+                "scrape-interval-secs",
+                self.scrape_interval_secs.or(file.scrape_interval_secs),
+                d.scrape_interval,
+            )?,
+            scrape_timeout: match secs(
+                "scrape-timeout-secs",
+                self.scrape_timeout_secs.or(file.scrape_timeout_secs),
+                d.scrape_timeout,
+            )? {
+                t if t.is_zero() => {
+                    return Err(ConfigError::Value {
+                        flag: "scrape-timeout-secs",
+                        msg: "must be more than 0".into(),
+                    })
+                }
+                t => t,
+            },
+            engine_stale: secs(
+                "engine-stale-secs",
+                self.engine_stale_secs.or(file.engine_stale_secs),
+                d.engine_stale,
+            )?,
+            max_metrics_bytes: positive(
+                "max-metrics-bytes",
+                self.max_metrics_bytes.or(file.max_metrics_bytes),
+                d.max_metrics_bytes,
             )?,
         })
     }

@@ -16,6 +16,8 @@
 //! - [`api`]: the axum handlers, `app(state) -> Router`; [`fastjson`]: the `/query` body fast path.
 //! - [`server`]: accept loop, connection cap, header timeout, bounded shutdown; [`edge`]:
 //!   per-request size limits and deadlines.
+//! - [`fleet`]: gateways' load reports and engines' samples, summed per worker;
+//!   [`fleet_api`]: `/v1/load`; [`scrape`]: the engines' `/metrics` scraper.
 //! - [`state`]: `--state-dir` snapshots.
 //! - [`config`]: command line and config file.
 //!
@@ -29,9 +31,12 @@ pub mod decode;
 pub mod edge;
 pub mod fastjson;
 pub mod feedlog;
+pub mod fleet;
+pub mod fleet_api;
 pub mod hub;
 pub mod metrics;
 pub mod msgpack;
+pub mod scrape;
 pub mod server;
 pub mod state;
 
@@ -40,7 +45,7 @@ pub mod zmq;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
 use kvroute::event::WorkerId;
@@ -51,6 +56,7 @@ use tracing::{error, info, warn};
 pub use api::app;
 pub use config::Config;
 use decode::Batch;
+use fleet::{Fleet, FleetConfig};
 use hub::{Hub, HubConfig, HubError, IngestJob, IngestReport, Registered, EVENT_TYPES};
 use metrics::{EventLabels, Metrics, WorkerLabels};
 
@@ -71,6 +77,8 @@ pub struct Shared {
     /// synchronous, never across an `.await`.
     pub hub: RwLock<Hub>,
     pub metrics: Metrics,
+    /// Gateways' load reports and engines' samples. Lock order: this, then `hub`.
+    pub fleet: Mutex<Fleet>,
     subscribers: Mutex<HashMap<WorkerId, JoinHandle<()>>>,
     /// Bumped after every change the subscribers make, so tests and tools can wait for one.
     changed: tokio::sync::watch::Sender<u64>,
@@ -91,10 +99,16 @@ impl Shared {
     pub fn new(config: Config) -> AppState {
         let hub = Hub::new(hub_config(&config), new_epoch());
         let (changed, _) = tokio::sync::watch::channel(0);
+        let fleet = Mutex::new(Fleet::new(FleetConfig {
+            gateway_timeout: config.gateway_timeout,
+            max_gateways: config.max_gateways,
+            engine_stale: config.engine_stale,
+        }));
         Arc::new(Shared {
             config,
             hub: RwLock::new(hub),
             metrics: Metrics::new(),
+            fleet,
             subscribers: Mutex::new(HashMap::new()),
             changed,
             ingesting: Mutex::new(HashMap::new()),
@@ -109,6 +123,10 @@ impl Shared {
 
     pub fn write(&self) -> RwLockWriteGuard<'_, Hub> {
         self.hub.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn fleet(&self) -> MutexGuard<'_, Fleet> {
+        self.fleet.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(crate) fn notify(&self) {
@@ -239,7 +257,19 @@ impl Shared {
     /// # Errors
     /// See [`Hub::unregister`].
     pub fn unregister(&self, req: &kvroute::api::UnregisterRequest) -> Result<usize, HubError> {
-        let removed = self.write().unregister(req)?;
+        // Fleet first (the lock order), so no load report lands between the two removals.
+        let mut fleet = self.fleet();
+        let mut hub = self.write();
+        // `Hub::unregister` names only the registered workers; their dp-rank siblings go too.
+        let before: Vec<WorkerId> = hub.workers().map(|w| w.id).collect();
+        let removed = hub.unregister(req)?;
+        let gone: Vec<WorkerId> = before
+            .into_iter()
+            .filter(|id| hub.worker(*id).is_none())
+            .collect();
+        drop(hub);
+        fleet.forget_workers(&gone);
+        drop(fleet);
         let mut subs = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
         for id in &removed {
             if let Some(task) = subs.remove(id) {
@@ -358,6 +388,14 @@ pub async fn serve(
             }
         })
     });
+    let scraper = tokio::spawn(scrape::run(
+        shared.clone(),
+        scrape::ScrapeConfig {
+            interval: shared.config.scrape_interval,
+            timeout: shared.config.scrape_timeout,
+            max_bytes: shared.config.max_metrics_bytes,
+        },
+    ));
     info!(addr = %listener.local_addr()?, "serving");
     let limits = server::ServerLimits {
         max_connections: shared.config.max_connections,
@@ -369,6 +407,7 @@ pub async fn serve(
     if let Some(task) = snapshots {
         task.abort();
     }
+    scraper.abort();
     shared.stop_subscribers();
     if let Some(dir) = shared.config.state_dir.clone() {
         save_state(&shared, &dir).await;

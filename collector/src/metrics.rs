@@ -115,6 +115,18 @@ pub struct Metrics {
     pub ingest_slices: Counter,
     /// State files refused on start (unreadable or inconsistent) and moved aside.
     pub state_rejected: Counter,
+    /// Gateway load reports accepted (`POST /v1/load`).
+    pub load_reports: Counter,
+    /// Gateway load reports refused, by reason.
+    pub load_refused: Family<ReasonLabels, Counter>,
+    /// Gateways whose load report is live.
+    pub fleet_gateways: Gauge,
+    /// Gateways dropped for not reporting within the timeout.
+    pub gateways_expired: Counter,
+    /// Engine `/metrics` scrapes that gave a sample.
+    pub engine_scrapes: Counter,
+    /// Engine `/metrics` scrapes that failed or were cut off, by reason.
+    pub engine_scrape_failures: Family<ReasonLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -152,6 +164,12 @@ impl Metrics {
             ingest_lag_seconds: Gauge::default(),
             ingest_slices: Counter::default(),
             state_rejected: Counter::default(),
+            load_reports: Counter::default(),
+            load_refused: Family::default(),
+            fleet_gateways: Gauge::default(),
+            gateways_expired: Counter::default(),
+            engine_scrapes: Counter::default(),
+            engine_scrape_failures: Family::default(),
         };
         registry.register(
             "events",
@@ -264,6 +282,36 @@ impl Metrics {
             "state_rejected",
             "State files refused on start and moved aside",
             m.state_rejected.clone(),
+        );
+        registry.register(
+            "load_reports",
+            "Gateway load reports accepted",
+            m.load_reports.clone(),
+        );
+        registry.register(
+            "load_reports_refused",
+            "Gateway load reports refused, by reason",
+            m.load_refused.clone(),
+        );
+        registry.register(
+            "fleet_gateways",
+            "Gateways whose load report is live",
+            m.fleet_gateways.clone(),
+        );
+        registry.register(
+            "fleet_gateways_expired",
+            "Gateways dropped for not reporting within the timeout",
+            m.gateways_expired.clone(),
+        );
+        registry.register(
+            "engine_scrapes",
+            "Engine /metrics scrapes that gave a sample",
+            m.engine_scrapes.clone(),
+        );
+        registry.register(
+            "engine_scrape_failures",
+            "Engine /metrics scrapes that failed or were cut off, by reason",
+            m.engine_scrape_failures.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -12,3 +12,7 @@ mod http;
 mod cli;
 // Hostile engines and state files: caps, slices, files moved aside.
 mod hostile;
+// The fleet view against the real binary: gateway load reports and engine scrapes.
+mod fleet_common;
+mod fleet_load;
+mod fleet_scrape;
