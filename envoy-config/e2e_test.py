@@ -21,6 +21,7 @@ native -p kvroute-collector -p kvroute-sim), and envoy-config/install-envoy.sh (
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -358,6 +359,234 @@ class E2E:
             self.s.start_engine(e)
 
 
+# --------------------------------------------------------------------------------------------
+# The load work (issue 10): every request decided, prefill released at the first body byte,
+# fleet-wide load through the collector, engine metrics, speculative entries. A stack of its
+# own: 3 engines with slow decode (20 ms a token) so requests stay in flight for seconds, and
+# Envoy's fallback set to round-robin so that a request the filter leaves undecided lands
+# anywhere (least-request would hide a filter that does not decide).
+# --------------------------------------------------------------------------------------------
+
+LOAD_DECODE_MS = 20
+LONG_TOKENS = 250                # 5 s of decode: in flight for the whole of a check
+
+
+def load_stack_config() -> K.StackConfig:
+    return K.StackConfig(
+        engines=3,
+        engine_args=["--decode-ms-per-token", str(LOAD_DECODE_MS), "--max-running", "4"],
+        envoy_values={"FALLBACK_LB": "round_robin", "FALLBACK_LB_TYPE": "RoundRobin"},
+        # Engine 2's /metrics can be made slow or down (test_metrics_down_or_slow).
+        proxied_engines={2})
+
+
+class Streamer:
+    """One streaming completion in a background thread: `first` is set at the first body
+    byte, `done` at the end; `engine` is the engine that served it."""
+
+    def __init__(self, url: str, tokens: list[int], max_tokens: int, headers: dict | None = None):
+        self.first, self.done = threading.Event(), threading.Event()
+        self.engine: str | None = None
+        self.status = 0
+        self.error: str | None = None
+        self.test_id = tid()
+        hostport = url[len("http://"):]
+        host, _, port = hostport.rpartition(":")
+        body = json.dumps({"model": K.DEFAULT_MODEL, "prompt": tokens, "max_tokens": max_tokens,
+                           "stream": True, "ignore_eos": True})
+        h = {"content-type": "application/json", "x-kvroute-test-id": self.test_id,
+             **(headers or {})}
+
+        def run():
+            import http.client as hc
+            c = hc.HTTPConnection(host, int(port), timeout=120)
+            try:
+                c.request("POST", "/v1/completions", body=body, headers=h)
+                r = c.getresponse()
+                self.status = r.status
+                self.engine = r.getheader("x-kvroute-sim-engine")
+                if r.read(1):
+                    self.first.set()
+                r.read()
+            except Exception as exc:  # reported by the test through .error
+                self.error = repr(exc)
+            finally:
+                c.close()
+                self.first.set()
+                self.done.set()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def wait_first(self, timeout: float = 15.0) -> None:
+        check(self.first.wait(timeout), f"no first byte within {timeout}s")
+        check(self.error is None and self.status == 200,
+              f"streaming request failed: status {self.status}, {self.error}")
+
+
+class LoadE2E(E2E):
+    """Tests of the load work on the load stack (see load_stack_config)."""
+
+    def cold(self, url: str | None = None) -> tuple[str | None, str | None]:
+        """A cold request (fresh prompt, one output token): (engine that served it, first
+        destination the filter set or None)."""
+        r, test_id = self.send(fresh(4 * BS), url=url)
+        check(r.status == 200, f"cold request: status {r.status} {r.body[:200]!r}")
+        served = self.s.served_by(r)
+        return (served.name if served else None), self.first_dest(self.log_of(test_id))
+
+    def pin(self, engine: K.Engine, n: int, url: str | None = None,
+            max_tokens: int = LONG_TOKENS) -> list[Streamer]:
+        """`n` long streaming requests through Envoy that the filter routes to `engine` by
+        cache (a prefix warmed there); returns once each has its first byte."""
+        # A long cached prefix: its credit outweighs the requests already pinned there.
+        p = fresh(4096)
+        self.warm(engine, p)
+        K.wait_until(lambda: self.s.routed_to(p, url=url) == engine.address, ROUTE_TIMEOUT_S,
+                     f"Envoy to route by cache to {engine.name}", interval=0.1)
+        out = []
+        for _ in range(n):
+            st = Streamer(url or self.s.kvroute_url, p + fresh(BS), max_tokens)
+            st.wait_first()
+            check(st.engine == engine.name,
+                  f"a request pinned by cache to {engine.name} went to {st.engine}")
+            out.append(st)
+        return out
+
+    @staticmethod
+    def finish(streams: list[Streamer]) -> None:
+        for st in streams:
+            st.done.wait(30)
+
+    def test_cold_requests_avoid_a_busy_engine(self):
+        # Engine 0 is busy with requests this Envoy routed; cold requests are decided by the
+        # filter (destination set) and never land there. Undecided, round-robin would put a
+        # third of them on it.
+        busy = self.s.engines[0]
+        streams = self.pin(busy, 3)
+        try:
+            for i in range(9):
+                served, dest = self.cold()
+                check(dest is not None, f"cold request #{i} not decided by the filter")
+                check(served != busy.name and dest != busy.address,
+                      f"cold request #{i} went to the busy {busy.name}")
+        finally:
+            self.finish(streams)
+
+    def test_prefill_released_at_first_byte(self):
+        # Engine 0 runs ONE request whose long uncached prompt is already prefilled (its first
+        # byte came back) and is now decoding; engines 1 and 2 run TWO short-prompt requests
+        # each. With the prefill released at the first byte, engine 0 has the least work ahead
+        # and takes the cold requests; booked until the end, its 12k prefill tokens would
+        # keep them away for the whole decode.
+        e0, e1, e2 = self.s.engines[0], self.s.engines[1], self.s.engines[2]
+        streams = self.pin(e1, 2) + self.pin(e2, 2)
+        try:
+            p = fresh(4096)
+            self.warm(e0, p)
+            self.wait_routed(e0, p)
+            big = Streamer(self.s.kvroute_url, p + fresh(12_000), LONG_TOKENS)
+            big.wait_first()
+            check(big.engine == e0.name, f"the long prompt went to {big.engine}, not {e0.name}")
+            streams.append(big)
+            time.sleep(0.3)   # past any end-of-prefill bookkeeping race
+            for i in range(3):
+                served, dest = self.cold()
+                check(served == e0.name,
+                      f"cold request #{i} went to {served}, not to {e0.name} whose prefill is "
+                      f"done (1 request decoding vs 2 elsewhere)")
+        finally:
+            self.finish(streams)
+
+    def test_two_envoys_share_load_through_the_collector(self):
+        # A burst through Envoy A onto engine 1; Envoy B, which has seen none of it, learns it
+        # from the collector's fleet totals within two sync ticks and keeps cold requests off
+        # engine 1. Each Envoy on its own counts would see engine 1 idle.
+        other = self.s.start_extra_envoy("peer", {})
+        busy = self.s.engines[1]
+        streams = self.pin(busy, 4)
+        try:
+            time.sleep(2 * 0.1 + 0.3)   # two ticks of the default 100 ms sync, plus the report
+            for i in range(9):
+                served, dest = self.cold(url=other["kvroute"])
+                check(dest is not None, f"cold request #{i} through Envoy B not decided")
+                check(served != busy.name,
+                      f"cold request #{i} through Envoy B went to {busy.name}, busy through A")
+        finally:
+            self.finish(streams)
+
+    def test_speculative_entry_routes_a_sibling_then_expires(self):
+        # An Envoy whose index syncs only every 4 s (as if the engine's KV events were late):
+        # a sibling of a request just routed must follow it to the same engine on the
+        # speculative entry alone; after the entry's TTL it no longer does (its engine is
+        # made busy, so without the entry's credit the sibling goes elsewhere).
+        ttl_ms = 1500
+        urls = self.s.start_extra_envoy("spec", {
+            "SYNC_INTERVAL_MS": 4000, "STALE_AFTER_MS": 60000,
+            "FILTER_EXTRA": K.render.filter_extra({"route": {"speculative_ttl_ms": ttl_ms}})})
+        url = urls["kvroute"]
+        K.wait_until(lambda: self.s.routed_to(fresh(4 * BS), url=url) is not None, 15,
+                     "the slow-sync Envoy to decide cold requests", interval=0.2)
+        # Header probes: the engine caches nothing, so only the speculative entry can match.
+        q = fresh(4096)
+        first = self.s.routed_to(q + fresh(BS), url=url)
+        check(first is not None, "the first request of the prefix was not decided")
+        for i in range(3):
+            again = self.s.routed_to(q + fresh(BS), url=url)
+            check(again == first, f"sibling #{i} went to {again}, not {first} (speculative entry)")
+        time.sleep(ttl_ms / 1000 + 0.5)
+        holder = next(e for e in self.s.engines if e.address == first)
+        streams = self.pin(holder, 2, url=url)
+        try:
+            after = self.s.routed_to(q + fresh(BS), url=url)
+            check(after is not None and after != first,
+                  f"after the TTL a sibling still went to the busy {holder.name}")
+        finally:
+            self.finish(streams)
+
+    def test_metrics_down_or_slow_routing_goes_on(self):
+        # Engine 2's /metrics hangs, then answers 503: the collector's scrape must neither stall
+        # the index nor the filter. Cache routing and cold decisions go on.
+        e = self.s.engines[2]
+        assert e.proxy is not None
+        try:
+            for mode in ("slow", "down"):
+                e.proxy.mode = mode
+                seen = e.proxy.scrapes
+                K.wait_until(lambda: e.proxy.scrapes > seen + 1, 10,
+                             f"the collector to scrape the {mode} /metrics")
+                t = fresh()
+                self.warm_and_wait(e, t)
+                r, test_id = self.send(t + fresh(BS))
+                self.expect_routed(r, test_id, e, f"/metrics {mode}: cache hit")
+                for i in range(3):
+                    served, dest = self.cold()
+                    check(served is not None and dest is not None,
+                          f"/metrics {mode}: cold request #{i} not decided ({dest})")
+        finally:
+            e.proxy.mode = "ok"
+
+    def test_full_engine_queue_gets_no_cold_request(self):
+        # Engine 1's own /metrics reports a long waiting queue (16 requests sent straight to
+        # it, bypassing Envoy, behind a 4-request running limit). Envoy's books see it idle;
+        # only the engine sample (scraped by the collector, shipped in the feed) keeps cold
+        # requests away. Last: it leaves engine 1 busy for a while.
+        e = self.s.engines[1]
+        for _ in range(20):
+            Streamer(e.url, fresh(4 * BS), 150)
+
+        def waiting() -> int:
+            text = K.http("GET", e.url + "/metrics", timeout=5).body.decode()
+            return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+                       if line.startswith("vllm:num_requests_waiting"))
+        K.wait_until(lambda: waiting() >= 12, 10, f"{e.name} to report a waiting queue")
+        time.sleep(1.0)   # one scrape (500 ms) and one feed sync (100 ms), with margin
+        for i in range(9):
+            served, dest = self.cold()
+            check(dest is not None, f"cold request #{i} not decided")
+            check(served != e.name, f"cold request #{i} went to {e.name}, whose queue is full")
+
+
 def test_envoy_validate() -> None:
     """The shipped template, rendered, passes `envoy --mode validate` (loads the real wasm)."""
     envoy = K.envoy_bin()
@@ -432,6 +661,32 @@ def main() -> int:
             stack.dump_logs(20)
     finally:
         stack.stop()
+
+    load_names = [n for n in ["test_cold_requests_avoid_a_busy_engine",
+                              "test_prefill_released_at_first_byte",
+                              "test_two_envoys_share_load_through_the_collector",
+                              "test_speculative_entry_routes_a_sibling_then_expires",
+                              "test_metrics_down_or_slow_routing_goes_on",
+                              "test_full_engine_queue_gets_no_cold_request"]
+                  if not only or only in n]
+    if load_names:
+        load_stack = K.Stack(load_stack_config())
+        load_failed = failed
+        try:
+            try:
+                load_stack.start()
+            except Exception as exc:
+                for n in load_names:
+                    failed += 1
+                    print(f"FAIL  {n[5:]}: load stack did not start: {exc}", flush=True)
+                load_names = []
+            suite = LoadE2E(load_stack)
+            for n in load_names:
+                run(n[5:], getattr(suite, n))
+            if failed > load_failed:
+                load_stack.dump_logs(20)
+        finally:
+            load_stack.stop()
     print(f"{passed} passed, {failed} failed", flush=True)
     return 1 if failed else 0
 

@@ -254,6 +254,71 @@ def random_tokens(n: int, rng: random.Random | None = None) -> list[int]:
 # The stack
 # --------------------------------------------------------------------------------------------
 
+class EngineProxy:
+    """A loopback HTTP proxy in front of one engine whose `/metrics` can be made slow or down
+    (`mode`: "ok" | "slow" | "down"), for tests of the collector's engine scrape. Everything
+    else is forwarded as is (responses chunked, as they come)."""
+
+    def __init__(self, target_port: int):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        self.mode = "ok"
+        self.port = free_port()
+        self.scrapes = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *_a):
+                pass
+
+            def _forward(self):
+                if self.path.startswith("/metrics"):
+                    proxy.scrapes += 1
+                    if proxy.mode == "slow":
+                        # Longer than any scrape timeout; the collector must not wait on it.
+                        time.sleep(30)
+                    elif proxy.mode == "down":
+                        self.send_response(503)
+                        self.send_header("content-length", "0")
+                        self.end_headers()
+                        return
+                n = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(n) if n else None
+                h = {k: v for k, v in self.headers.items()
+                     if k.lower() not in ("host", "connection", "content-length")}
+                c = httpclient.HTTPConnection("127.0.0.1", target_port, timeout=120)
+                try:
+                    c.request(self.command, self.path, body=body, headers=h)
+                    r = c.getresponse()
+                    self.send_response(r.status)
+                    for k, v in r.getheaders():
+                        if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                            self.send_header(k, v)
+                    # Chunked and passed on as it comes: streamed completions stay streamed.
+                    self.send_header("transfer-encoding", "chunked")
+                    self.end_headers()
+                    while True:
+                        chunk = r.read1(65536)
+                        if not chunk:
+                            break
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                        self.wfile.flush()
+                    self.wfile.write(b"0\r\n\r\n")
+                finally:
+                    c.close()
+
+            do_GET = do_POST = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @dataclass
 class Engine:
     name: str            # instance_id, also what the sim reports in x-kvroute-sim-engine
@@ -262,9 +327,17 @@ class Engine:
     replay_port: int
     tenant: str = "default"
     proc: Proc | None = None
+    # When set, the engine is registered and routed at the proxy's address.
+    proxy: EngineProxy | None = None
 
     @property
     def address(self) -> str:
+        if self.proxy is not None:
+            return f"127.0.0.1:{self.proxy.port}"
+        return self.listen_address
+
+    @property
+    def listen_address(self) -> str:
         return f"127.0.0.1:{self.http_port}"
 
     @property
@@ -295,6 +368,8 @@ class StackConfig:
     envoy_values: dict[str, object] = field(default_factory=dict)
     with_envoy: bool = True
     with_collector: bool = True
+    # Engines (indexes) reached through an EngineProxy (see there).
+    proxied_engines: set[int] = field(default_factory=set)
     workdir: Path | None = None
     keep_workdir: bool = False
 
@@ -316,6 +391,8 @@ class Stack:
             self.engines.append(Engine(name=f"engine-{i}", http_port=free_port(),
                                        zmq_port=free_port(), replay_port=free_port(),
                                        tenant=self.cfg.engine_tenants.get(i, "default")))
+            if i in self.cfg.proxied_engines:
+                self.engines[-1].proxy = EngineProxy(self.engines[-1].http_port)
         self.collector_port = free_port()
         self.listen_port = free_port()
         self.baseline_port = free_port()
@@ -376,6 +453,10 @@ class Stack:
         for p in self.extra_envoys + [self.envoy, self.collector] + [e.proc for e in self.engines]:
             if p is not None:
                 p.stop()
+        for e in self.engines:
+            if e.proxy is not None:
+                e.proxy.close()
+                e.proxy = None
         if self._own_workdir and not os.environ.get("KVROUTE_KEEP_LOGS"):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -387,7 +468,7 @@ class Stack:
     # ---- engines ------------------------------------------------------------------------
     def engine_argv(self, e: Engine) -> list[str]:
         return [str(self.bin / "kvroute-sim"), "engine",
-                "--listen", e.address,
+                "--listen", e.listen_address,
                 "--name", e.name,
                 "--model", self.cfg.model,
                 "--block-size", str(self.cfg.block_size),

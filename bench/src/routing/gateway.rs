@@ -47,6 +47,12 @@ pub enum GatewayError {
         name: String,
         source: std::io::Error,
     },
+    #[error("envoy {name} exited ({status}) at start: {tail}")]
+    Exited {
+        name: String,
+        status: String,
+        tail: String,
+    },
     #[error("envoy {name} not ready within {timeout:?} (log: {log})")]
     NotReady {
         name: String,
@@ -187,7 +193,7 @@ impl Gateway {
                 name: name.into(),
                 source,
             })?;
-        let gw = Gateway {
+        let mut gw = Gateway {
             name: name.into(),
             url: format!("http://127.0.0.1:{listen}"),
             admin: format!("http://127.0.0.1:{admin}"),
@@ -198,6 +204,15 @@ impl Gateway {
         let deadline = Instant::now() + timeout;
         // Ready: a completion goes through Envoy to an engine (the filter's VMs are up).
         while Instant::now() < deadline {
+            if let Ok(Some(status)) = gw.child.try_wait() {
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(3).collect();
+                return Err(GatewayError::Exited {
+                    name: name.into(),
+                    status: status.to_string(),
+                    tail: tail.into_iter().rev().collect::<Vec<_>>().join(" / "),
+                });
+            }
             let probe = client
                 .post(format!("{}/v1/completions", gw.url))
                 .timeout(Duration::from_secs(5))
