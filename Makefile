@@ -73,9 +73,10 @@ bench: setup wasm
 	KVROUTE_BENCH_N=400 $(CARGO) bench -j$(JOBS) -p kvroute-filter --bench benches
 	$(CARGO) bench -j$(JOBS) -p kvroute-collector
 
-## make bench-routing: every policy on the trace and one simulated fleet (~9 minutes).
-bench-routing:
-	bash bench/scripts/bench-routing.sh --speed 10 --limit 3000 --engines 4
+## make bench-routing: kvroute as shipped (Envoy + the filter built by `make wasm` + the
+## collector) beside every other policy, three scenarios, one simulated fleet (~13 minutes).
+bench-routing: wasm
+	bash bench/scripts/bench-routing.sh --speed 10 --limit 2000 --engines 4
 
 ## make bench-collector: ingest and /query against Dynamo's indexer (installs it in a venv).
 bench-collector:

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# The routing benchmark of issue 6: builds kvroute-bench (profile `native`), installs the PyPI
-# peers (vllm-router 0.1.17, sglang-router 0.3.2) into sim/.venv-peers (ignored by git) and
-# runs every policy on the synthetic Mooncake trace. A peer that fails to install is skipped
-# by the bench, which says so. Extra arguments go to `kvroute-bench routing` (see its --help);
-# results go to sim/bench-out, next to the simulator they measure.
+# The routing benchmark (issue 10): kvroute as shipped — a real Envoy with the filter .wasm and
+# the collector, Envoy's fallback round-robin — beside the in-process policies and the PyPI
+# peers (vllm-router 0.1.17, sglang-router 0.3.2, installed into sim/.venv-peers, ignored by
+# git), on one simulated fleet, in three scenarios: the Mooncake trace through one gateway, two
+# gateway replicas (fleet-wide load on and off), and a hot-prefix burst. A peer that fails to
+# install, or an Envoy that does not start, is reported as skipped.
 #
-#   bench/scripts/bench-routing.sh                     # the documented run (sim/BENCH.md)
-#   bench/scripts/bench-routing.sh --limit 500         # a quick look
+# The filter is $KVROUTE_WASM, else <target dir>/wasm32-wasip1/release/kvroute_filter.wasm
+# (`make wasm`); Envoy is $ENVOY, else envoy-config/install-envoy.sh's. Extra arguments go to
+# `kvroute-bench routing` (see its --help); results go to bench-out/ (results.md, results.json,
+# one directory of plots and per-request JSONL per scenario).
+#
+#   bench/scripts/bench-routing.sh --speed 10 --limit 2000     # make bench-routing (~13 min)
+#   bench/scripts/bench-routing.sh --limit 300 --scenarios trace  # a quick look
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=sim/.venv-peers
@@ -19,5 +25,7 @@ if [ -x "$VENV/bin/pip" ]; then
   "$VENV/bin/python" -c "import sglang_router" 2>/dev/null || "$VENV/bin/pip" install -q sglang-router==0.3.2 \
     || echo "bench: sglang-router 0.3.2 did not install; it will be skipped" >&2
 fi
-cargo build --profile native -p kvroute-bench --bin kvroute-bench
-exec "${CARGO_TARGET_DIR:-target}/native/kvroute-bench" routing --out sim/bench-out --venv "$VENV" "$@"
+ENVOY="${ENVOY:-$(bash envoy-config/install-envoy.sh)}"
+export ENVOY
+cargo build -j"${JOBS:-2}" --profile native -p kvroute-bench --bin kvroute-bench
+exec "${CARGO_TARGET_DIR:-target}/native/kvroute-bench" routing --out bench-out --venv "$VENV" "$@"
