@@ -171,17 +171,16 @@ class E2E:
         spoof = {"x-gateway-destination-endpoint": other.address}
         r, test_id = self.send(t + fresh(BS), headers=spoof)
         self.expect_routed(r, test_id, e, "cached prefix with a spoofed destination")
-        # Unknown prefix + spoofed header: never routed by the client's value.
-        served = []
+        # Unknown prefix + spoofed header: never routed by the client's value. The filter
+        # decides cold requests too (by load, possibly onto any engine), so the spoof names an
+        # address no engine has: seeing it at the router can only mean the client's value.
+        bogus = {"x-gateway-destination-endpoint": "127.0.0.1:9"}
         for _ in range(6):
-            r, test_id = self.send(fresh(), headers=spoof)
+            r, test_id = self.send(fresh(), headers=bogus)
             entry = self.expect_served(r, test_id, "uncached prefix with a spoofed destination")
             check(r.status == 200, f"spoofed request: status {r.status}")
-            check(self.first_dest(entry) != other.address,
+            check("127.0.0.1:9" not in str(entry.get("dest")),
                   f"client-sent destination reached the router: {entry}")
-            served.append(self.s.served_by(r))
-        check(not all(x is other for x in served),
-              "all 6 requests went to the spoofed destination")
         # The baseline listener strips it as well.
         r, test_id = self.send(fresh(), headers=spoof, url=self.s.baseline_url)
         entry = self.log_of(test_id)
@@ -335,10 +334,12 @@ class E2E:
         for i in range(3):
             r, test_id = self.send(t + fresh(BS + i), url=urls["kvroute"])
             self.expect_routed(r, test_id, e, f"remote mode, body prompt #{i}")
-        # No match -> unrouted, still served.
+        # No match -> served; decided by load (issue 10) or left to Envoy, never elsewhere.
         r, test_id = self.send(fresh(), url=urls["kvroute"])
         entry = self.expect_served(r, test_id, "remote mode, uncached prefix")
-        check(not self.first_dest(entry), f"remote mode routed an uncached prefix: {entry}")
+        dest = self.first_dest(entry)
+        check(dest is None or self.s.engine_by_address(dest) is not None,
+              f"remote mode routed an uncached prefix outside the fleet: {entry}")
 
     def test_dead_engine_retried_on_next_host(self):
         # override_host does not check health: the cache holder is down -> connection refused
