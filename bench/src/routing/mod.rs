@@ -134,11 +134,6 @@ pub struct BenchArgs {
     /// '{"route": {"max_hit_queue_tokens": 8192}}').
     #[arg(long, default_value = "{}")]
     pub filter_config: String,
-    /// Speed-up of the burst scenario. It is short, so it runs in real time: compressed, the
-    /// host's own delays (HTTP, JSON of 9k-token prompts) spread the burst before it reaches
-    /// the engines and no queue forms.
-    #[arg(long, default_value_t = 1.0)]
-    pub burst_speed: f64,
     /// Requests of the burst sharing the system prompt.
     #[arg(long, default_value_t = 64)]
     pub burst_requests: usize,
@@ -146,7 +141,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 8192)]
     pub burst_shared_tokens: usize,
     /// Distinct tail of each burst request, tokens.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 2048)]
     pub burst_tail_tokens: usize,
     /// Cold requests after the burst.
     #[arg(long, default_value_t = 64)]
@@ -659,8 +654,9 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
         if !a.scenarios.iter().any(|s| s == scenario) {
             continue;
         }
+        // The engines run at `--speed`: every scenario replays at it.
         let (recs, speed) = if scenario == "burst" {
-            (&burst_records, a.burst_speed)
+            (&burst_records, a.speed)
         } else {
             (&records, a.speed)
         };
@@ -694,12 +690,7 @@ fn write_scenario(a: &BenchArgs, scenario: &str, results: &[PolicyResult]) -> an
         eprintln!("bench: no TTF font found; plots skipped");
         return Ok(());
     }
-    let speed = if scenario == "burst" {
-        a.burst_speed
-    } else {
-        a.speed
-    };
-    let title = format!("{scenario}: {} engines, {speed}x speed-up", a.engines);
+    let title = format!("{scenario}: {} engines, {}x speed-up", a.engines, a.speed);
     if let Err(e) = report::plot_ttft_cdf(
         results,
         &dir.join("ttft_cdf.png"),
@@ -739,7 +730,7 @@ fn write_summary(a: &BenchArgs, all: &[(String, Vec<PolicyResult>)]) -> anyhow::
     let json = json!({
         "config": {
             "trace": a.trace.display().to_string(), "limit": a.limit,
-            "engines": a.engines, "speed": a.speed, "burst_speed": a.burst_speed,
+            "engines": a.engines, "speed": a.speed,
             "rate_scale": a.rate_scale, "block_size": a.block_size,
             "capacity_blocks": a.capacity_blocks, "prefill_tokens_per_s": a.prefill_tokens_per_s,
             "decode_ms_per_token": a.decode_ms_per_token, "seed": a.seed,
