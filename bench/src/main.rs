@@ -15,7 +15,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Compare routing policies on one trace and one simulated fleet.
-    Routing(routing::BenchArgs),
+    // Boxed: the routing flags are many beside the collector's.
+    Routing(Box<routing::BenchArgs>),
     /// The collector's ingest, /query and memory benchmarks (markdown report on stdout).
     Collector(collector::CollectorArgs),
 }
@@ -27,7 +28,7 @@ fn main() -> anyhow::Result<()> {
             tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?
-                .block_on(routing::main(a))
+                .block_on(routing::main(*a))
         }
         // Builds its own runtimes, sized per phase; its progress goes to stderr unformatted.
         Cmd::Collector(a) => {

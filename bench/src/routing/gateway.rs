@@ -248,9 +248,15 @@ impl Gateway {
             let Ok(v) = v.trim().parse::<u64>() else {
                 continue;
             };
+            // The listener's and the collector cluster's own stats share the name `kvroute`.
+            if k.starts_with("http.") || k.starts_with("cluster.") || k.starts_with("listener.") {
+                continue;
+            }
             // `wasmcustom.kvroute.requests.routed` etc.: keep the filter's own part.
-            let key = k.find("kvroute.").map_or(k, |i| &k[i..]);
-            *out.entry(key.to_string()).or_insert(0) += v;
+            let Some(i) = k.find("kvroute.") else {
+                continue;
+            };
+            *out.entry(k[i..].to_string()).or_insert(0) += v;
         }
         out
     }
@@ -327,6 +333,69 @@ mod tests {
         let v: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["route"]["cold"], "decide");
         assert_eq!(filter_extra(&Map::new()), "");
+    }
+
+    #[tokio::test]
+    async fn a_missing_filter_is_reported_not_started() {
+        let setup = GatewaySetup {
+            envoy: PathBuf::from("/bin/sh"),
+            wasm: PathBuf::from("/nonexistent/kvroute_filter.wasm"),
+            config_dir: PathBuf::from("../envoy-config"),
+            concurrency: 1,
+            filter_config: Map::new(),
+            work_dir: std::env::temp_dir(),
+        };
+        let e = Gateway::start(&setup, "t", &[], "127.0.0.1:1", &Map::new(), "m")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                GatewayError::Missing {
+                    what: "filter wasm",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_shipped_template_renders_the_bench_values() {
+        let out =
+            std::env::temp_dir().join(format!("kvroute-bench-render-{}.yaml", std::process::id()));
+        let extra: Map<String, Value> =
+            serde_json::from_str(r#"{"load": {"fleet": false}}"#).unwrap();
+        let values: Vec<(String, String)> = [
+            ("ADMIN_PORT", "1"),
+            ("LISTEN_PORT", "2"),
+            ("BASELINE_PORT", "3"),
+            ("COLLECTOR_PORT", "4"),
+            ("WASM_PATH", "/x.wasm"),
+            ("FALLBACK_LB", "round_robin"),
+            ("FALLBACK_LB_TYPE", "RoundRobin"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .chain([
+            (
+                "ENGINE_LB_ENDPOINTS".to_string(),
+                lb_endpoints(&["127.0.0.1:8001".into()]),
+            ),
+            ("FILTER_EXTRA".to_string(), filter_extra(&extra)),
+        ])
+        .collect();
+        render(Path::new("../envoy-config"), &out, &values)
+            .await
+            .unwrap();
+        let text = std::fs::read_to_string(&out).unwrap();
+        let _ = std::fs::remove_file(&out);
+        assert!(
+            text.contains(r#""x-gateway-destination-endpoint", "load": {"fleet":false}"#),
+            "{text}"
+        );
+        assert!(text.contains("load_balancing_policies.round_robin.v3.RoundRobin"));
+        assert!(!text.contains("least_request.v3"));
     }
 
     #[test]

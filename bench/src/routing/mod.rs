@@ -332,7 +332,8 @@ enum Prepared {
         target: Target,
         api: Api,
         kv: Option<Arc<KvAware>>,
-        peer: Option<peers::Running>,
+        // Boxed: a running child process is large beside the skip reason.
+        peer: Option<Box<peers::Running>>,
         gateways: Vec<Gateway>,
     },
     Skipped(String),
@@ -457,7 +458,7 @@ impl Ctx {
                             Api::CompletionsIds
                         },
                         kv: None,
-                        peer: Some(r),
+                        peer: Some(Box::new(r)),
                         gateways: Vec::new(),
                     },
                     Err(e) => Prepared::Skipped(e.to_string()),
