@@ -74,7 +74,7 @@ bench: setup wasm
 	$(CARGO) bench -j$(JOBS) -p kvroute-collector
 
 ## make bench-routing: kvroute as shipped (Envoy + the filter built by `make wasm` + the
-## collector) beside every other policy, three scenarios, one simulated fleet (~13 minutes).
+## collector) beside every other policy, three scenarios, one simulated fleet (~10 minutes).
 bench-routing: wasm
 	bash bench/scripts/bench-routing.sh --speed 10 --limit 2000 --engines 4
 

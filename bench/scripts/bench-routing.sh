@@ -11,7 +11,7 @@
 # `kvroute-bench routing` (see its --help); results go to bench-out/ (results.md, results.json,
 # one directory of plots and per-request JSONL per scenario).
 #
-#   bench/scripts/bench-routing.sh --speed 10 --limit 2000     # make bench-routing (~13 min)
+#   bench/scripts/bench-routing.sh --speed 10 --limit 2000     # make bench-routing (~10 min)
 #   bench/scripts/bench-routing.sh --limit 300 --scenarios trace  # a quick look
 set -euo pipefail
 cd "$(dirname "$0")/../.."
