@@ -41,7 +41,9 @@ mod views;
 
 pub use buckets::{BucketRef, BucketRows};
 pub use keys::{bucket_of, Keys, Limits, CAS_RETRIES, LAYOUT_VERSION};
-pub use load::{load_add, load_get, load_update, Load, LoadId};
+pub use load::{
+    load_add, load_clear_stale, load_entries, load_get, load_update, Load, LoadDelta, LoadId,
+};
 pub use meta::{Alias, ApplyStats, Meta, WorkerSlot};
 pub use store::{MemStore, Store, StoreError};
 pub use sync::{

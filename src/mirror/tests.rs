@@ -296,37 +296,140 @@ fn lease_is_exclusive_until_it_lapses() {
     assert_eq!(next_vm_id(&store, &keys), Ok(2));
 }
 
+fn delta(requests: i32, prefill_tokens: i64, decode_tokens: i64) -> LoadDelta {
+    LoadDelta {
+        requests,
+        prefill_tokens,
+        decode_tokens,
+    }
+}
+
+fn counts(requests: u32, prefill_tokens: u32, decode_tokens: u32) -> Load {
+    Load {
+        requests,
+        prefill_tokens,
+        decode_tokens,
+    }
+}
+
 #[test]
 fn load_counts_saturate_and_expire() {
     let store = MemStore::new();
     let keys = Keys::new("t");
-    load_update(&store, &keys, 8, LoadId::slot(2), 1, 100, 0, 1000).unwrap();
-    load_update(&store, &keys, 8, LoadId::slot(2), 1, 50, 10, 1000).unwrap();
-    load_update(&store, &keys, 8, LoadId::slot(10), 1, 5, 10, 1000).unwrap();
+    load_update(
+        &store,
+        &keys,
+        8,
+        LoadId::slot(2),
+        delta(1, 100, 256),
+        0,
+        1000,
+    )
+    .unwrap();
+    load_update(
+        &store,
+        &keys,
+        8,
+        LoadId::slot(2),
+        delta(1, 50, 16),
+        10,
+        1000,
+    )
+    .unwrap();
+    load_update(&store, &keys, 8, LoadId::slot(10), delta(1, 5, 0), 10, 1000).unwrap();
     let t = store.get(&keys.load()).unwrap().0.unwrap();
-    assert_eq!(
-        load_get(&t, LoadId::slot(2), 20, 1000),
-        Load {
-            requests: 2,
-            prefill_tokens: 150
-        }
-    );
-    assert_eq!(
-        load_get(&t, LoadId::slot(10), 20, 1000),
-        Load {
-            requests: 1,
-            prefill_tokens: 5
-        }
-    );
+    assert_eq!(load_get(&t, LoadId::slot(2), 20, 1000), counts(2, 150, 272));
+    assert_eq!(load_get(&t, LoadId::slot(10), 20, 1000), counts(1, 5, 0));
     assert_eq!(
         load_get(&t, LoadId::slot(2), 2000, 1000),
         Load::default(),
         "expired"
     );
-    load_update(&store, &keys, 8, LoadId::slot(2), -5, -1000, 30, 1000).unwrap();
+    let mut live = load_entries(&t, 20, 1000);
+    live.sort_by_key(|e| e.0.get());
+    assert_eq!(
+        live.iter()
+            .map(|e| (e.0.as_slot(), e.1))
+            .collect::<Vec<_>>(),
+        [(Some(2), counts(2, 150, 272)), (Some(10), counts(1, 5, 0))]
+    );
+    // Prefill released alone (first response bytes): decode stays booked.
+    load_update(
+        &store,
+        &keys,
+        8,
+        LoadId::slot(2),
+        delta(0, -100, 0),
+        30,
+        1000,
+    )
+    .unwrap();
+    let t = store.get(&keys.load()).unwrap().0.unwrap();
+    assert_eq!(load_get(&t, LoadId::slot(2), 30, 1000), counts(2, 50, 272));
+    load_update(
+        &store,
+        &keys,
+        8,
+        LoadId::slot(2),
+        delta(-5, -1000, -1000),
+        30,
+        1000,
+    )
+    .unwrap();
     let t = store.get(&keys.load()).unwrap().0.unwrap();
     assert_eq!(load_get(&t, LoadId::slot(2), 30, 1000), Load::default());
-    assert_eq!(t.len(), 1 + 8 * 24, "eight entries of 24 bytes");
+    assert_eq!(t.len(), 1 + 8 * 32, "eight entries of 32 bytes");
+    assert_eq!(LoadId::instance("x").as_slot(), None);
+}
+
+#[test]
+fn an_old_load_table_is_rebuilt_not_misread() {
+    // A table of the previous layout (24-byte entries, first byte LAYOUT_VERSION).
+    let mut old = vec![LAYOUT_VERSION];
+    old.resize(1 + 8 * 24, 0xff);
+    assert_eq!(load_get(&old, LoadId::slot(1), 0, 1000), Load::default());
+    assert!(load_entries(&old, 0, 1000).is_empty());
+    assert!(load_add(
+        &mut old,
+        8,
+        LoadId::slot(1),
+        delta(1, 2, 3),
+        0,
+        1000
+    ));
+    assert_eq!(load_get(&old, LoadId::slot(1), 0, 1000), counts(1, 2, 3));
+}
+
+#[test]
+fn leaked_counts_are_cleared_only_when_older_than_the_cut() {
+    let mut t = Vec::new();
+    assert!(load_add(
+        &mut t,
+        8,
+        LoadId::slot(1),
+        delta(2, 10, 10),
+        100,
+        10_000
+    ));
+    assert!(load_add(
+        &mut t,
+        8,
+        LoadId::slot(2),
+        delta(1, 10, 10),
+        900,
+        10_000
+    ));
+    assert!(load_clear_stale(&mut t, LoadId::slot(1), 500));
+    assert!(
+        !load_clear_stale(&mut t, LoadId::slot(2), 500),
+        "booked after the cut"
+    );
+    assert!(!load_clear_stale(&mut t, LoadId::slot(3), 500), "absent");
+    assert_eq!(load_get(&t, LoadId::slot(1), 1000, 10_000), Load::default());
+    assert_eq!(
+        load_get(&t, LoadId::slot(2), 1000, 10_000),
+        counts(1, 10, 10)
+    );
 }
 
 #[test]
