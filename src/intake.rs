@@ -915,10 +915,19 @@ mod tests {
         let mut toks = Vec::new();
         let mut found = [Found::Absent; 2];
         for (body, want) in [
-            (r#"{"max_tokens": 512, "n": 1}"#, [Found::Uint(512), Found::Uint(1)]),
+            (
+                r#"{"max_tokens": 512, "n": 1}"#,
+                [Found::Uint(512), Found::Uint(1)],
+            ),
             (r#"{"max_tokens":-1,"n":1.5}"#, [Found::Other, Found::Other]),
-            (r#"{"max_tokens":"9","n":1e3}"#, [Found::Other, Found::Other]),
-            (r#"{"max_tokens":99999999999999999999}"#, [Found::Other, Found::Absent]),
+            (
+                r#"{"max_tokens":"9","n":1e3}"#,
+                [Found::Other, Found::Other],
+            ),
+            (
+                r#"{"max_tokens":99999999999999999999}"#,
+                [Found::Other, Found::Absent],
+            ),
             (r#"{"max_tokens":null}"#, [Found::Other, Found::Absent]),
         ] {
             scan_json(body.as_bytes(), &fields, &mut toks, &mut found, 10).unwrap();
