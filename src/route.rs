@@ -39,6 +39,7 @@
 
 use crate::api::QueryResponse;
 use crate::lookup::WorkerMatch;
+pub use crate::mirror::Counts;
 use crate::mirror::{Load, LoadId, Meta};
 use crate::select::{self, Candidate, Random, Weights};
 
@@ -88,17 +89,6 @@ impl Policy {
         load.engine
             .is_some_and(|e| e.waiting >= self.max_waiting || e.kv_usage >= self.max_kv_usage)
     }
-}
-
-/// Load counts of one worker: what a gateway books, reports and reads back from the fleet.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Counts {
-    /// Requests in flight.
-    pub requests: u64,
-    /// Uncached prefill tokens not yet prefilled.
-    pub prefill_tokens: u64,
-    /// Decode tokens still to generate.
-    pub decode_tokens: u64,
 }
 
 /// The load to decide on, from the fleet's `total` (every gateway's last report summed),

@@ -487,7 +487,7 @@ fn churning_a_million_blocks_keeps_the_keyspace_fixed() {
         )
         .unwrap();
     }
-    let fixed = 4 + 2 * (1 + l.buckets() as usize);
+    let fixed = 7 + 2 * (1 + l.buckets() as usize);
     assert!(seen_max <= fixed, "{seen_max} keys > {fixed}");
     assert!(store.key_count() <= fixed);
     assert!(base <= store.key_count());
@@ -585,4 +585,66 @@ fn view_walk_reads_grow_with_log_depth() {
     assert_eq!(m[0].blocks, [4096, 4096, 4096]);
     assert_eq!(m[1].blocks, [0, 1000, 1000]);
     assert!(view.reads() <= 40, "{} reads", view.reads());
+}
+
+#[test]
+fn the_fleet_value_round_trips_and_takes_pages_as_the_whole_picture() {
+    use crate::feed::EngineSample;
+    let c = |requests, prefill_tokens, decode_tokens| Counts {
+        requests,
+        prefill_tokens,
+        decode_tokens,
+    };
+    let load = |w: u32, n: u64, engine: Option<EngineSample>| Op::Load {
+        worker: WorkerId(w),
+        requests: n,
+        prefill_tokens: n * 100,
+        decode_tokens: n * 10,
+        engine,
+    };
+    let idle = EngineSample {
+        kv_permille: 120,
+        age_ms: 40,
+        ..EngineSample::default()
+    };
+    let mut f = Fleet::default();
+    assert!(
+        !f.apply_ops(&[Op::WorkerGone { id: WorkerId(0) }], 8, 5),
+        "no Load op"
+    );
+    assert!(f.apply_ops(&[load(1, 3, Some(idle)), load(9, 1, None)], 8, 10));
+    assert_eq!(f.workers.len(), 2, "slot 9 is past max_workers");
+    assert_eq!(f.worker(1).total, c(3, 300, 30));
+    assert_eq!(f.worker(1).idle_samples, 1);
+    f.set_reported(&[(1, c(1, 100, 10)), (0, c(2, 0, 0))], 8);
+    assert!(f.apply_ops(&[load(1, 4, Some(idle))], 8, 20));
+    let w = f.worker(1);
+    assert_eq!(
+        (w.total, w.reported, w.idle_samples),
+        (c(4, 400, 40), c(1, 100, 10), 2)
+    );
+    assert_eq!(f.worker(0).total, Counts::default(), "not named: none");
+    assert_eq!(f.worker(0).reported, c(2, 0, 0), "own reports are kept");
+    // A busy or stale sample resets the idle streak.
+    let stale = EngineSample {
+        stale: true,
+        ..idle
+    };
+    assert!(f.apply_ops(&[load(1, 4, Some(stale))], 8, 30));
+    assert_eq!(f.worker(1).idle_samples, 0);
+    let back = Fleet::decode(&f.encode());
+    assert_eq!(back, f);
+    assert_eq!(back.received_ms, 30);
+    assert_eq!(Fleet::decode(&[1, 2, 3]), Fleet::default());
+    let mut cut = f.encode();
+    cut.pop();
+    assert_eq!(Fleet::decode(&cut), Fleet::default());
+    let store = MemStore::new();
+    let keys = Keys::new("t");
+    update_fleet(&store, &keys, |x| {
+        *x = f.clone();
+        true
+    })
+    .unwrap();
+    assert_eq!(read_fleet(&store, &keys), f);
 }
