@@ -151,6 +151,23 @@ impl InstanceLoad {
         self.decode_tokens = self.decode_tokens.saturating_add(c.decode_tokens);
     }
 
+    /// Adds another worker's load (a dp rank of the same instance).
+    pub fn merge(&mut self, o: InstanceLoad) {
+        self.requests = self.requests.saturating_add(o.requests);
+        self.prefill_tokens = self.prefill_tokens.saturating_add(o.prefill_tokens);
+        self.decode_tokens = self.decode_tokens.saturating_add(o.decode_tokens);
+        if let Some(e) = o.engine {
+            self.add_engine(e);
+        }
+    }
+
+    /// One load-table entry as an instance load.
+    pub fn of(load: Load) -> InstanceLoad {
+        let mut l = InstanceLoad::default();
+        l.add(load);
+        l
+    }
+
     /// Folds in one worker's engine report: the busiest rank speaks for the instance.
     pub fn add_engine(&mut self, e: EngineLoad) {
         let cur = self.engine.unwrap_or_default();
@@ -409,13 +426,13 @@ impl Roster {
 
     /// Local mode's contenders, one per instance: `matches` (per worker slot, from the
     /// walk) folded into each instance's best rank, the load of its slots summed from
-    /// `load`, eligibility from `(tenant, model)`.
+    /// `load` (per worker slot), eligibility from `(tenant, model)`.
     pub fn contenders(
         &self,
         matches: &[WorkerMatch],
         tenant: &str,
         model: &str,
-        load: impl Fn(LoadId) -> Load,
+        load: impl Fn(LoadId) -> InstanceLoad,
         weights: &Weights,
     ) -> Vec<Contender> {
         let mut out: Vec<Contender> = self
@@ -424,7 +441,7 @@ impl Roster {
             .map(|inst| {
                 let mut l = InstanceLoad::default();
                 for s in &inst.slots {
-                    l.add(load(LoadId::slot(s.slot)));
+                    l.merge(load(LoadId::slot(s.slot)));
                 }
                 Contender::new(inst.serves(tenant, model), l)
             })
@@ -444,7 +461,7 @@ impl Roster {
 /// eligible (the collector answered for the request's model), with their [`LoadId`]s.
 pub fn remote_contenders(
     resp: &QueryResponse,
-    load: impl Fn(LoadId) -> Load,
+    load: impl Fn(LoadId) -> InstanceLoad,
 ) -> Vec<(Contender, LoadId)> {
     let bs = u64::from(resp.block_size.max(1));
     let blocks = |t: u64| (t / bs).min(u32::MAX as u64) as u32;
@@ -452,9 +469,7 @@ pub fn remote_contenders(
         .iter()
         .map(|(id, m)| {
             let load_id = LoadId::instance(id);
-            let mut l = InstanceLoad::default();
-            l.add(load(load_id));
-            let mut c = Contender::new(true, l);
+            let mut c = Contender::new(true, load(load_id));
             c.matched = [
                 blocks(m.gpu),
                 blocks(m.cpu),
@@ -645,10 +660,12 @@ mod tests {
                 blocks: [5, 5, 5],
             },
         ];
-        let load = |id: LoadId| Load {
-            requests: u32::from(id == LoadId::slot(0) || id == LoadId::slot(2)),
-            prefill_tokens: 16,
-            decode_tokens: 0,
+        let load = |id: LoadId| {
+            InstanceLoad::of(Load {
+                requests: u32::from(id == LoadId::slot(0) || id == LoadId::slot(2)),
+                prefill_tokens: 16,
+                decode_tokens: 0,
+            })
         };
         let cs = roster.contenders(&matches, "default", "m", load, &Weights::default());
         assert_eq!((cs[0].dp_rank, cs[0].matched), (1, [5, 5, 5]));
@@ -683,7 +700,7 @@ mod tests {
             .into_iter()
             .collect(),
         };
-        let cs = remote_contenders(&resp, |_| Load::default());
+        let cs = remote_contenders(&resp, |_| InstanceLoad::default());
         // Rank 1 has more tokens though both ranks hold one full block.
         assert_eq!((cs[0].0.dp_rank, cs[0].0.matched), (1, [1, 1, 1]));
         assert_eq!(cs[1].0.dp_rank, 1, "the lowest rank on a tie");
