@@ -42,6 +42,8 @@ mod host;
 #[cfg(target_arch = "wasm32")]
 mod http;
 #[cfg(target_arch = "wasm32")]
+mod report;
+#[cfg(target_arch = "wasm32")]
 mod root;
 #[cfg(target_arch = "wasm32")]
 mod rules;

@@ -45,6 +45,9 @@ pub struct Fleet {
     pub workers: Vec<FleetWorker>,
 }
 
+/// Two samples closer than this in time are the same scrape seen on two pages.
+const SAMPLE_SLACK_MS: u64 = 50;
+
 const ENTRY: usize = 6 * 8 + 1 + 4 + 4 + 2 + 4 + 1;
 const HEADER: usize = 1 + 8;
 
@@ -92,16 +95,23 @@ impl Fleet {
         if !seen {
             return false;
         }
+        let before = self.received_ms;
         for (w, f) in self.workers.iter_mut().zip(fresh) {
             let (total, engine) = f.unwrap_or_default();
             let idle = engine.is_some_and(|e| !e.stale && e.running == 0 && e.waiting == 0);
+            // Pages come faster than scrapes: only a sample taken after the last one counts.
+            let taken = |e: &EngineSample, at: u64| at.saturating_sub(u64::from(e.age_ms));
+            let new_sample = match (engine, w.engine) {
+                (Some(e), Some(p)) => taken(&e, now_ms) > taken(&p, before) + SAMPLE_SLACK_MS,
+                _ => true,
+            };
+            if !idle {
+                w.idle_samples = 0;
+            } else if new_sample {
+                w.idle_samples = w.idle_samples.saturating_add(1);
+            }
             w.total = total;
             w.engine = engine;
-            w.idle_samples = if idle {
-                w.idle_samples.saturating_add(1)
-            } else {
-                0
-            };
         }
         self.received_ms = now_ms;
         true

@@ -617,7 +617,11 @@ fn the_fleet_value_round_trips_and_takes_pages_as_the_whole_picture() {
     assert_eq!(f.worker(1).total, c(3, 300, 30));
     assert_eq!(f.worker(1).idle_samples, 1);
     f.set_reported(&[(1, c(1, 100, 10)), (0, c(2, 0, 0))], 8);
-    assert!(f.apply_ops(&[load(1, 4, Some(idle))], 8, 20));
+    // The same scrape on the next page (10 ms later, 10 ms older): not a second sample.
+    let later = EngineSample { age_ms: 50, ..idle };
+    assert!(f.apply_ops(&[load(1, 3, Some(later))], 8, 20));
+    assert_eq!(f.worker(1).idle_samples, 1);
+    assert!(f.apply_ops(&[load(1, 4, Some(idle))], 8, 200));
     let w = f.worker(1);
     assert_eq!(
         (w.total, w.reported, w.idle_samples),
@@ -630,11 +634,11 @@ fn the_fleet_value_round_trips_and_takes_pages_as_the_whole_picture() {
         stale: true,
         ..idle
     };
-    assert!(f.apply_ops(&[load(1, 4, Some(stale))], 8, 30));
+    assert!(f.apply_ops(&[load(1, 4, Some(stale))], 8, 300));
     assert_eq!(f.worker(1).idle_samples, 0);
     let back = Fleet::decode(&f.encode());
     assert_eq!(back, f);
-    assert_eq!(back.received_ms, 30);
+    assert_eq!(back.received_ms, 300);
     assert_eq!(Fleet::decode(&[1, 2, 3]), Fleet::default());
     let mut cut = f.encode();
     cut.pop();
