@@ -38,10 +38,11 @@ wasm: setup
 native: setup
 	$(CARGO) build -j$(JOBS) --profile native -p kvroute-collector -p kvroute-sim
 
-lint: setup
+lint: setup layout
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -j$(JOBS) --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -j$(JOBS) --target wasm32-wasip1 -p kvroute -p kvroute-filter -- -D warnings
+	$(CARGO) rustdoc -j$(JOBS) -p kvroute --lib -- -D missing_docs
 
 ## The layout rules (no import cycle between a crate's files, no oversized file without a
 ## reason): tools/layout_check.py.

@@ -584,7 +584,7 @@ fn rss_per_million(entries: usize) -> f64 {
                 let c = chain + (w / 2) * 1_000_000;
                 let events: Vec<KvEvent> = (0..16).map(|i| chain_event(c + i, 64)).collect();
                 let batch = kvroute_collector::decode::decode(&encode(&events)).expect("decode");
-                state.write().apply_batch(id, seq, batch, &state.metrics);
+                state.apply_batch_blocking(id, seq, batch);
                 seq += 1;
                 chain += 16;
                 done += 16 * 64;

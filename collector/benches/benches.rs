@@ -13,7 +13,6 @@ use kvroute::api::RegisterRequest;
 use kvroute::event::{EngineHash, KvEvent, StoredBlock, Tier};
 use kvroute_collector::decode::decode;
 use kvroute_collector::hub::{Hub, HubConfig, Registered};
-use kvroute_collector::metrics::Metrics;
 use kvroute_sim::wire::{encode_events, EventFormat, Extras};
 
 const BS: usize = 16;
@@ -63,6 +62,7 @@ fn hub() -> (Hub, Vec<kvroute::event::WorkerId>) {
             max_query_tokens: 1 << 20,
             feed_log_entries: 1 << 16,
             max_feed_bytes: 1 << 20,
+            limits: kvroute_collector::hub::Limits::default(),
         },
         1,
     );
@@ -97,7 +97,6 @@ fn benches(c: &mut Criterion) {
     });
     g.finish();
 
-    let metrics = Metrics::new();
     let mut g = c.benchmark_group("hub");
     g.throughput(Throughput::Elements(1024));
     g.bench_function("hub::apply_batch/stored_1024_blocks", |b| {
@@ -106,7 +105,7 @@ fn benches(c: &mut Criterion) {
         b.iter(|| {
             let batch = decode(&payload).unwrap();
             // Alternate store and clear so the index stays small.
-            h.apply_batch(ids[0], n, batch, &metrics);
+            h.apply_batch(ids[0], n, batch);
             n += 1;
             h.clear_blocks(ids[0]);
         })
@@ -136,10 +135,10 @@ fn benches(c: &mut Criterion) {
         let depth = (w + 1) * 64;
         let ev = chain(1 << 30, &prompt[..depth * BS]);
         let b = decode(&encode_batch(&[ev])).unwrap();
-        h.apply_batch(id, 0, b, &metrics);
+        h.apply_batch(id, 0, b);
         for k in 0..((12_500 - depth) / 1024) {
             let b = decode(&batch(w as u64 * 100_000 + k as u64 * 16 + 2)).unwrap();
-            h.apply_batch(id, k as u64 + 1, b, &metrics);
+            h.apply_batch(id, k as u64 + 1, b);
         }
     }
     let mut g = c.benchmark_group("hub");

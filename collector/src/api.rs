@@ -4,8 +4,8 @@
 //! Every error is a 4xx (or 5xx) with `{"error": "..."}` naming the problem: bodies are read as
 //! bytes and parsed here, so malformed JSON, wrong types, oversized bodies and bad query
 //! strings all get the same JSON shape. Admin endpoints (`/register`, `/unregister`) require
-//! `Authorization: Bearer <admin token>` and read endpoints (`/query*`, `/workers`, `/v1/feed`)
-//! the read token, when the collector has one. `/health` and `/metrics` are open.
+//! `Authorization: Bearer <admin token>` and read endpoints (`/query*`, `/workers`, `/v1/feed`,
+//! `/v1/load`) the read token, when the collector has one. `/health` and `/metrics` are open.
 
 use std::time::{Duration, Instant};
 
@@ -91,6 +91,10 @@ pub fn app(state: AppState) -> Router {
         .route("/query", post(query))
         .route("/query_by_hash", post(query_by_hash))
         .route("/v1/feed", get(feed))
+        .route(
+            "/v1/load",
+            get(crate::fleet_api::get_load).post(crate::fleet_api::post_load),
+        )
         .route_layer(middleware::from_fn_with_state(state.clone(), require_read));
     let open = Router::new()
         .route("/health", get(health))
@@ -342,11 +346,22 @@ async fn health(State(state): State<AppState>) -> Response {
     let connected = hub.workers().filter(|w| w.status.connected).count();
     let epoch = hub.feed.epoch();
     drop(hub);
-    Json(serde_json::json!({ "status": "ok", "workers": workers, "connected": connected, "epoch": epoch })).into_response()
+    // Degraded still answers 200: the collector serves; the reasons say what is wrong.
+    let problems = state.problems();
+    let status = if problems.is_empty() {
+        "ok"
+    } else {
+        "degraded"
+    };
+    Json(serde_json::json!({ "status": status, "reasons": problems, "workers": workers, "connected": connected, "epoch": epoch })).into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
     state.read().update_gauges(&state.metrics);
+    // Also refreshes the ingest lag gauge.
+    state.problems();
+    let gateways = state.fleet().gateways(Instant::now());
+    state.metrics.fleet_gateways.set(gateways as i64);
     let body = state.metrics.encode();
     (
         [(

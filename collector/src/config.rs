@@ -13,6 +13,8 @@ use serde::Deserialize;
 
 use kvroute::api::RegisterRequest;
 
+use crate::hub::{Limits, MAX_WORKERS};
+
 /// `--listen` default: loopback only.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:9090";
 
@@ -38,7 +40,7 @@ pub struct Cli {
         hide_env_values = true
     )]
     pub admin_token: Option<String>,
-    /// Bearer token required on /query, /query_by_hash, /workers and /v1/feed.
+    /// Bearer token required on /query, /query_by_hash, /workers, /v1/feed and /v1/load.
     #[arg(
         long,
         value_name = "TOKEN",
@@ -100,6 +102,45 @@ pub struct Cli {
     /// Allow a non-loopback --listen without --admin-token (anyone who reaches it may /register).
     #[arg(long)]
     pub insecure_no_auth: bool,
+    /// Served names (LoRA names) one registration's events may add [default: 64].
+    #[arg(long, value_name = "N")]
+    pub max_aliases_per_worker: Option<usize>,
+    /// Served names in all [default: 16384].
+    #[arg(long, value_name = "N")]
+    pub max_aliases: Option<usize>,
+    /// dp ranks one registration's batches may name besides its own [default: 64].
+    #[arg(long, value_name = "N")]
+    pub max_dp_ranks_per_worker: Option<usize>,
+    /// Workers named by batches' dp ranks in all; the other slots stay for /register [default: 1024].
+    #[arg(long, value_name = "N")]
+    pub max_dp_workers: Option<usize>,
+    /// SGLang page records held in all [default: 16777216].
+    #[arg(long, value_name = "N")]
+    pub max_pages: Option<usize>,
+    /// Most blocks applied per hold of the state lock; bigger batches go in slices [default: 8192].
+    #[arg(long, value_name = "N")]
+    pub ingest_slice_blocks: Option<usize>,
+    /// /health says "degraded" while a batch has been applying longer than this, seconds [default: 2].
+    #[arg(long, value_name = "SECS")]
+    pub ingest_lag_degraded_secs: Option<f64>,
+    /// A gateway that has not posted /v1/load for this long is dropped from the fleet sums, seconds [default: 5].
+    #[arg(long, value_name = "SECS")]
+    pub gateway_timeout_secs: Option<f64>,
+    /// Most gateways reporting load at once; a new one past it is refused [default: 64].
+    #[arg(long, value_name = "N")]
+    pub max_gateways: Option<usize>,
+    /// Interval between scrapes of each engine's /metrics, seconds; 0 disables [default: 0.5].
+    #[arg(long, value_name = "SECS")]
+    pub scrape_interval_secs: Option<f64>,
+    /// Longest one engine /metrics scrape may take, seconds [default: 0.25].
+    #[arg(long, value_name = "SECS")]
+    pub scrape_timeout_secs: Option<f64>,
+    /// Age past which an engine sample is reported stale, seconds [default: 2].
+    #[arg(long, value_name = "SECS")]
+    pub engine_stale_secs: Option<f64>,
+    /// Largest engine /metrics page read; reading stops there [default: 1048576].
+    #[arg(long, value_name = "BYTES")]
+    pub max_metrics_bytes: Option<usize>,
 }
 
 /// The `--config` file.
@@ -129,6 +170,19 @@ pub struct FileConfig {
     pub max_zmq_message_bytes: Option<usize>,
     #[serde(default)]
     pub insecure_no_auth: bool,
+    pub max_aliases_per_worker: Option<usize>,
+    pub max_aliases: Option<usize>,
+    pub max_dp_ranks_per_worker: Option<usize>,
+    pub max_dp_workers: Option<usize>,
+    pub max_pages: Option<usize>,
+    pub ingest_slice_blocks: Option<usize>,
+    pub ingest_lag_degraded_secs: Option<f64>,
+    pub gateway_timeout_secs: Option<f64>,
+    pub max_gateways: Option<usize>,
+    pub scrape_interval_secs: Option<f64>,
+    pub scrape_timeout_secs: Option<f64>,
+    pub engine_stale_secs: Option<f64>,
+    pub max_metrics_bytes: Option<usize>,
 }
 
 /// The validated settings.
@@ -163,6 +217,18 @@ pub struct Config {
     pub max_zmq_message_bytes: usize,
     /// A non-loopback listener without an admin token was asked for explicitly.
     pub insecure_no_auth: bool,
+    /// Caps on what engines' events may create.
+    pub limits: Limits,
+    /// `/health` is degraded while a batch has been applying longer than this.
+    pub ingest_lag_degraded: Duration,
+    /// Gateways silent this long leave the fleet sums.
+    pub gateway_timeout: Duration,
+    pub max_gateways: usize,
+    /// Engine `/metrics` scrape interval; zero disables scraping.
+    pub scrape_interval: Duration,
+    pub scrape_timeout: Duration,
+    pub engine_stale: Duration,
+    pub max_metrics_bytes: usize,
 }
 
 impl Default for Config {
@@ -192,6 +258,14 @@ impl Default for Config {
             // A real engine batch is a few KiB; vLLM's largest is far under this.
             max_zmq_message_bytes: 8 << 20,
             insecure_no_auth: false,
+            limits: Limits::default(),
+            ingest_lag_degraded: Duration::from_secs(2),
+            gateway_timeout: Duration::from_secs(5),
+            max_gateways: 64,
+            scrape_interval: Duration::from_millis(500),
+            scrape_timeout: Duration::from_millis(250),
+            engine_stale: Duration::from_secs(2),
+            max_metrics_bytes: 1 << 20,
         }
     }
 }
@@ -367,6 +441,89 @@ impl Cli {
                 d.max_zmq_message_bytes,
             )?,
             insecure_no_auth,
+            limits: Limits {
+                aliases_per_worker: positive(
+                    "max-aliases-per-worker",
+                    self.max_aliases_per_worker.or(file.max_aliases_per_worker),
+                    d.limits.aliases_per_worker,
+                )?,
+                aliases: positive(
+                    "max-aliases",
+                    self.max_aliases.or(file.max_aliases),
+                    d.limits.aliases,
+                )?,
+                dp_ranks_per_worker: positive(
+                    "max-dp-ranks-per-worker",
+                    self.max_dp_ranks_per_worker
+                        .or(file.max_dp_ranks_per_worker),
+                    d.limits.dp_ranks_per_worker,
+                )?,
+                dp_workers: match self.max_dp_workers.or(file.max_dp_workers) {
+                    Some(n) if n >= MAX_WORKERS => {
+                        return Err(ConfigError::Value {
+                            flag: "max-dp-workers",
+                            msg: format!(
+                                "must be below {MAX_WORKERS}, leaving slots for /register"
+                            ),
+                        })
+                    }
+                    v => positive("max-dp-workers", v, d.limits.dp_workers)?,
+                },
+                pages: positive(
+                    "max-pages",
+                    self.max_pages.or(file.max_pages),
+                    d.limits.pages,
+                )?,
+                slice_blocks: positive(
+                    "ingest-slice-blocks",
+                    self.ingest_slice_blocks.or(file.ingest_slice_blocks),
+                    d.limits.slice_blocks,
+                )?,
+            },
+            ingest_lag_degraded: secs(
+                "ingest-lag-degraded-secs",
+                self.ingest_lag_degraded_secs
+                    .or(file.ingest_lag_degraded_secs),
+                d.ingest_lag_degraded,
+            )?,
+            gateway_timeout: secs(
+                "gateway-timeout-secs",
+                self.gateway_timeout_secs.or(file.gateway_timeout_secs),
+                d.gateway_timeout,
+            )?,
+            max_gateways: positive(
+                "max-gateways",
+                self.max_gateways.or(file.max_gateways),
+                d.max_gateways,
+            )?,
+            scrape_interval: secs(
+                "scrape-interval-secs",
+                self.scrape_interval_secs.or(file.scrape_interval_secs),
+                d.scrape_interval,
+            )?,
+            scrape_timeout: match secs(
+                "scrape-timeout-secs",
+                self.scrape_timeout_secs.or(file.scrape_timeout_secs),
+                d.scrape_timeout,
+            )? {
+                t if t.is_zero() => {
+                    return Err(ConfigError::Value {
+                        flag: "scrape-timeout-secs",
+                        msg: "must be more than 0".into(),
+                    })
+                }
+                t => t,
+            },
+            engine_stale: secs(
+                "engine-stale-secs",
+                self.engine_stale_secs.or(file.engine_stale_secs),
+                d.engine_stale,
+            )?,
+            max_metrics_bytes: positive(
+                "max-metrics-bytes",
+                self.max_metrics_bytes.or(file.max_metrics_bytes),
+                d.max_metrics_bytes,
+            )?,
         })
     }
 }

@@ -10,9 +10,8 @@
 //! - engine hashes as u64, i64 (kept as their two's-complement bits) or bin (the last 8 bytes
 //!   read big-endian, left-padded when shorter: what vLLM's int conversion and llm-d do).
 //!
-//! The reader is hand-written over the borrowed payload instead of building an `rmpv::Value`
-//! tree: nothing is allocated but the tokens and hashes the index needs, every length is
-//! checked against the bytes that remain before anything is reserved, and nesting is bounded.
+//! The bytes are read with [`crate::msgpack`]'s bounded reader instead of building an
+//! `rmpv::Value` tree: nothing is allocated but the tokens and hashes the index needs.
 //! Arbitrary bytes give a [`DecodeError`], never a panic.
 //!
 //! What is dropped on purpose, and counted in [`DecodeStats`]: events of other KV-cache groups
@@ -21,29 +20,8 @@
 
 use kvroute::event::{EngineHash, KvEvent, StoredBlock, Tier};
 
-/// Deepest nesting the reader follows while skipping values it does not need.
-pub const MAX_DEPTH: u32 = 32;
-
-/// Why a payload could not be decoded. Positions are byte offsets into the payload.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum DecodeError {
-    /// The payload ended inside a value.
-    #[error("payload truncated at byte {at}")]
-    Truncated { at: usize },
-    /// A value of the wrong msgpack type.
-    #[error("expected {expected} at byte {at}")]
-    Type { at: usize, expected: &'static str },
-    /// A value of the right type that makes no sense.
-    #[error("bad {what} at byte {at}")]
-    Value { at: usize, what: &'static str },
-    /// Values nested deeper than [`MAX_DEPTH`].
-    #[error("values nested deeper than {MAX_DEPTH} at byte {at}")]
-    TooDeep { at: usize },
-    /// A byte that is no msgpack marker (0xc1).
-    #[error("reserved msgpack marker at byte {at}")]
-    Reserved { at: usize },
-}
+use crate::msgpack::{is_array, is_map, Reader};
+pub use crate::msgpack::{DecodeError, MAX_DEPTH};
 
 /// Counts of what one batch contained besides the events it returns.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -78,11 +56,8 @@ pub struct Batch {
 /// Any malformed payload, or a known event with a field of the wrong type: the whole batch is
 /// refused, since applying part of it could leave a chain half-linked.
 pub fn decode(payload: &[u8]) -> Result<Batch, DecodeError> {
-    let mut r = Reader {
-        buf: payload,
-        at: 0,
-    };
-    let at = r.at;
+    let mut r = Reader::new(payload);
+    let at = r.at();
     let n = r.array_len()?;
     if !(2..=16).contains(&n) {
         return Err(DecodeError::Value {
@@ -103,7 +78,7 @@ pub fn decode(payload: &[u8]) -> Result<Batch, DecodeError> {
         }
     }
     if n >= 3 {
-        let at = r.at;
+        let at = r.at();
         batch.dp_rank = match r.opt_int()? {
             None => None,
             Some(v) => Some(u32::try_from(v).map_err(|_| DecodeError::Value {
@@ -115,9 +90,9 @@ pub fn decode(payload: &[u8]) -> Result<Batch, DecodeError> {
             r.skip(0)?;
         }
     }
-    if r.at != payload.len() {
+    if r.at() != payload.len() {
         return Err(DecodeError::Value {
-            at: r.at,
+            at: r.at(),
             what: "trailing bytes after the batch",
         });
     }
@@ -167,7 +142,7 @@ fn event(r: &mut Reader<'_>, stats: &mut DecodeStats) -> Result<Option<KvEvent>,
             let n = r.array_len()?;
             if n == 0 {
                 return Err(DecodeError::Value {
-                    at: r.at,
+                    at: r.at(),
                     what: "empty event",
                 });
             }
@@ -233,18 +208,18 @@ fn event(r: &mut Reader<'_>, stats: &mut DecodeStats) -> Result<Option<KvEvent>,
                 }
             }
             tag.ok_or(DecodeError::Value {
-                at: r.at,
+                at: r.at(),
                 what: "map event without \"type\"",
             })?
         }
         _ => {
             return Err(DecodeError::Type {
-                at: r.at,
+                at: r.at(),
                 expected: "event array or map",
             })
         }
     };
-    let at = r.at;
+    let at = r.at();
     if tag == Tag::Unknown {
         stats.skipped_unknown += 1;
         return Ok(None);
@@ -358,217 +333,11 @@ fn salt_of(keys: Vec<ExtraKey>, lora_name: Option<&str>) -> Option<String> {
     plain
 }
 
-fn is_array(m: u8) -> bool {
-    (0x90..=0x9f).contains(&m) || m == 0xdc || m == 0xdd
-}
-
-fn is_map(m: u8) -> bool {
-    (0x80..=0x8f).contains(&m) || m == 0xde || m == 0xdf
-}
-
-/// A cursor over a borrowed msgpack buffer.
-struct Reader<'a> {
-    buf: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn remaining(&self) -> usize {
-        self.buf.len() - self.at
-    }
-
-    fn peek(&self) -> Result<u8, DecodeError> {
-        self.buf
-            .get(self.at)
-            .copied()
-            .ok_or(DecodeError::Truncated { at: self.at })
-    }
-
-    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
-        if n > self.remaining() {
-            return Err(DecodeError::Truncated { at: self.at });
-        }
-        let s = &self.buf[self.at..self.at + n];
-        self.at += n;
-        Ok(s)
-    }
-
-    fn u8(&mut self) -> Result<u8, DecodeError> {
-        Ok(self.take(1)?[0])
-    }
-
-    fn be(&mut self, n: usize) -> Result<u64, DecodeError> {
-        Ok(self
-            .take(n)?
-            .iter()
-            .fold(0u64, |acc, &b| acc << 8 | b as u64))
-    }
-
-    /// A container length, checked against the bytes left (every element takes ≥ 1 byte per
-    /// `per_item`), so that a lying header never turns into a huge allocation.
-    fn checked_len(&self, len: u64, per_item: usize, at: usize) -> Result<usize, DecodeError> {
-        match len.checked_mul(per_item as u64) {
-            Some(need) if need <= self.remaining() as u64 => Ok(len as usize),
-            _ => Err(DecodeError::Truncated { at }),
-        }
-    }
-
-    fn array_len(&mut self) -> Result<usize, DecodeError> {
-        let at = self.at;
-        let len = match self.u8()? {
-            m @ 0x90..=0x9f => (m & 0x0f) as u64,
-            0xdc => self.be(2)?,
-            0xdd => self.be(4)?,
-            _ => {
-                return Err(DecodeError::Type {
-                    at,
-                    expected: "array",
-                })
-            }
-        };
-        self.checked_len(len, 1, at)
-    }
-
-    fn map_len(&mut self) -> Result<usize, DecodeError> {
-        let at = self.at;
-        let len = match self.u8()? {
-            m @ 0x80..=0x8f => (m & 0x0f) as u64,
-            0xde => self.be(2)?,
-            0xdf => self.be(4)?,
-            _ => {
-                return Err(DecodeError::Type {
-                    at,
-                    expected: "map",
-                })
-            }
-        };
-        self.checked_len(len, 2, at)
-    }
-
-    /// The payload of a str value, if the next value is one.
-    fn str_bytes(&mut self) -> Result<Option<&'a [u8]>, DecodeError> {
-        let len = match self.peek()? {
-            m @ 0xa0..=0xbf => {
-                self.at += 1;
-                (m & 0x1f) as usize
-            }
-            0xd9 => {
-                self.at += 1;
-                self.be(1)? as usize
-            }
-            0xda => {
-                self.at += 1;
-                self.be(2)? as usize
-            }
-            0xdb => {
-                self.at += 1;
-                self.be(4)? as usize
-            }
-            _ => return Ok(None),
-        };
-        self.take(len).map(Some)
-    }
-
-    fn str(&mut self) -> Result<&'a str, DecodeError> {
-        let at = self.at;
-        let bytes = self.str_bytes()?.ok_or(DecodeError::Type {
-            at,
-            expected: "string",
-        })?;
-        std::str::from_utf8(bytes).map_err(|_| DecodeError::Value {
-            at,
-            what: "string is not UTF-8",
-        })
-    }
-
-    fn opt_str(&mut self) -> Result<Option<&'a str>, DecodeError> {
-        if self.peek()? == 0xc0 {
-            self.at += 1;
-            return Ok(None);
-        }
-        self.str().map(Some)
-    }
-
-    fn bin(&mut self) -> Result<Option<&'a [u8]>, DecodeError> {
-        let len = match self.peek()? {
-            0xc4 => {
-                self.at += 1;
-                self.be(1)? as usize
-            }
-            0xc5 => {
-                self.at += 1;
-                self.be(2)? as usize
-            }
-            0xc6 => {
-                self.at += 1;
-                self.be(4)? as usize
-            }
-            _ => return Ok(None),
-        };
-        self.take(len).map(Some)
-    }
-
-    /// Any msgpack integer, widened.
-    fn int(&mut self) -> Result<Option<i128>, DecodeError> {
-        let m = self.peek()?;
-        let v = match m {
-            0x00..=0x7f => {
-                self.at += 1;
-                m as i128
-            }
-            0xe0..=0xff => {
-                self.at += 1;
-                m as i8 as i128
-            }
-            0xcc..=0xcf => {
-                self.at += 1;
-                self.be(1 << (m - 0xcc))? as i128
-            }
-            0xd0..=0xd3 => {
-                self.at += 1;
-                let n = 1usize << (m - 0xd0);
-                let raw = self.be(n)?;
-                let shift = 64 - 8 * n as u32;
-                ((raw << shift) as i64 >> shift) as i128
-            }
-            _ => return Ok(None),
-        };
-        Ok(Some(v))
-    }
-
-    fn opt_int(&mut self) -> Result<Option<i128>, DecodeError> {
-        let at = self.at;
-        if self.peek()? == 0xc0 {
-            self.at += 1;
-            return Ok(None);
-        }
-        self.int()?.map(Some).ok_or(DecodeError::Type {
-            at,
-            expected: "integer or nil",
-        })
-    }
-
-    fn f64(&mut self) -> Result<f64, DecodeError> {
-        let at = self.at;
-        match self.peek()? {
-            0xcb => {
-                self.at += 1;
-                Ok(f64::from_bits(self.be(8)?))
-            }
-            0xca => {
-                self.at += 1;
-                Ok(f32::from_bits(self.be(4)? as u32) as f64)
-            }
-            _ => self.int()?.map(|v| v as f64).ok_or(DecodeError::Type {
-                at,
-                expected: "number",
-            }),
-        }
-    }
-
+/// The event-shaped values: engine hashes, token lists, `extra_keys`.
+impl Reader<'_> {
     /// An engine hash: u64, i64 (two's-complement bits) or bin (last 8 bytes, big-endian).
     fn hash(&mut self) -> Result<EngineHash, DecodeError> {
-        let at = self.at;
+        let at = self.at();
         if let Some(v) = self.int()? {
             return Ok(EngineHash(v as u64));
         }
@@ -587,7 +356,7 @@ impl<'a> Reader<'a> {
     /// A parent hash; nil, and the llm-d-inference-sim's `0`, mean none.
     fn opt_hash(&mut self) -> Result<Option<EngineHash>, DecodeError> {
         if self.peek()? == 0xc0 {
-            self.at += 1;
+            self.u8()?;
             return Ok(None);
         }
         Ok(Some(self.hash()?).filter(|h| h.0 != 0))
@@ -607,11 +376,11 @@ impl<'a> Reader<'a> {
         let n = self.array_len()?;
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            let at = self.at;
+            let at = self.at();
             // Fast path: positive fixint, the common case for small vocabularies' first ids.
             let m = self.peek()?;
             let v = if m <= 0x7f {
-                self.at += 1;
+                self.u8()?;
                 m as i128
             } else if is_array(m) {
                 let k = self.array_len()?;
@@ -646,7 +415,7 @@ impl<'a> Reader<'a> {
     /// `extra_keys`: nil, or one entry per block; only the first block's entry matters.
     fn extra_keys(&mut self) -> Result<Option<Vec<ExtraKey>>, DecodeError> {
         if self.peek()? == 0xc0 {
-            self.at += 1;
+            self.u8()?;
             return Ok(None);
         }
         let n = self.array_len()?;
@@ -684,51 +453,6 @@ impl<'a> Reader<'a> {
             first = Some(keys);
         }
         Ok(first)
-    }
-
-    /// Skips one value of any type.
-    fn skip(&mut self, depth: u32) -> Result<(), DecodeError> {
-        let at = self.at;
-        if depth > MAX_DEPTH {
-            return Err(DecodeError::TooDeep { at });
-        }
-        let m = self.u8()?;
-        let (skip, items) = match m {
-            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
-            0x80..=0x8f => (0, 2 * (m & 0x0f) as u64),
-            0x90..=0x9f => (0, (m & 0x0f) as u64),
-            0xa0..=0xbf => ((m & 0x1f) as u64, 0),
-            0xc1 => return Err(DecodeError::Reserved { at }),
-            0xc4 | 0xd9 => (self.be(1)?, 0),
-            0xc5 | 0xda => (self.be(2)?, 0),
-            0xc6 | 0xdb => (self.be(4)?, 0),
-            0xc7 => (self.be(1)? + 1, 0),
-            0xc8 => (self.be(2)? + 1, 0),
-            0xc9 => (self.be(4)? + 1, 0),
-            0xca => (4, 0),
-            0xcb => (8, 0),
-            0xcc | 0xd0 => (1, 0),
-            0xcd | 0xd1 => (2, 0),
-            0xce | 0xd2 => (4, 0),
-            0xcf | 0xd3 => (8, 0),
-            0xd4 => (2, 0),
-            0xd5 => (3, 0),
-            0xd6 => (5, 0),
-            0xd7 => (9, 0),
-            0xd8 => (17, 0),
-            0xdc => (0, self.be(2)?),
-            0xdd => (0, self.be(4)?),
-            0xde => (0, 2 * self.be(2)?),
-            0xdf => (0, 2 * self.be(4)?),
-        };
-        if skip > self.remaining() as u64 || items > self.remaining() as u64 {
-            return Err(DecodeError::Truncated { at });
-        }
-        self.at += skip as usize;
-        for _ in 0..items {
-            self.skip(depth + 1)?;
-        }
-        Ok(())
     }
 }
 

@@ -7,13 +7,17 @@
 //! # Layout
 //!
 //! - [`zmq`]: one subscriber task per registered worker; sequence tracking, replay, restarts.
-//! - [`decode`]: msgpack batches of every engine version → normalized events.
+//! - [`decode`]: msgpack batches of every engine version → normalized events, read with
+//!   [`msgpack`]'s bounded reader.
 //! - [`chunk`]: SGLang pages → blocks of the registered size.
-//! - [`hub`]: the state behind one lock: worker table, index, feed log; apply and query.
+//! - [`hub`]: the state behind one lock, split by job: registry, ingest (in bounded slices),
+//!   query, persistence.
 //! - [`feedlog`]: the bounded delta log and paged snapshots of `/v1/feed`.
 //! - [`api`]: the axum handlers, `app(state) -> Router`; [`fastjson`]: the `/query` body fast path.
 //! - [`server`]: accept loop, connection cap, header timeout, bounded shutdown; [`edge`]:
 //!   per-request size limits and deadlines.
+//! - [`fleet`]: gateways' load reports and engines' samples, summed per worker;
+//!   [`fleet_api`]: `/v1/load`; [`scrape`]: the engines' `/metrics` scraper.
 //! - [`state`]: `--state-dir` snapshots.
 //! - [`config`]: command line and config file.
 //!
@@ -27,8 +31,12 @@ pub mod decode;
 pub mod edge;
 pub mod fastjson;
 pub mod feedlog;
+pub mod fleet;
+pub mod fleet_api;
 pub mod hub;
 pub mod metrics;
+pub mod msgpack;
+pub mod scrape;
 pub mod server;
 pub mod state;
 
@@ -36,7 +44,9 @@ pub mod zmq;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Instant;
 
 use kvroute::event::WorkerId;
 use tokio::net::TcpListener;
@@ -45,8 +55,10 @@ use tracing::{error, info, warn};
 
 pub use api::app;
 pub use config::Config;
-use hub::{Hub, HubConfig, HubError, Registered};
-use metrics::Metrics;
+use decode::Batch;
+use fleet::{Fleet, FleetConfig};
+use hub::{Hub, HubConfig, HubError, IngestJob, IngestReport, Registered, EVENT_TYPES};
+use metrics::{EventLabels, Metrics, WorkerLabels};
 
 /// Errors of starting or running the collector.
 #[derive(Debug, thiserror::Error)]
@@ -65,9 +77,18 @@ pub struct Shared {
     /// synchronous, never across an `.await`.
     pub hub: RwLock<Hub>,
     pub metrics: Metrics,
+    /// Gateways' load reports and engines' samples. Lock order: this, then `hub`.
+    pub fleet: Mutex<Fleet>,
     subscribers: Mutex<HashMap<WorkerId, JoinHandle<()>>>,
     /// Bumped after every change the subscribers make, so tests and tools can wait for one.
     changed: tokio::sync::watch::Sender<u64>,
+    /// When each batch still being applied (by source) started: `/health` degrades on old ones.
+    ingesting: Mutex<HashMap<WorkerId, Instant>>,
+    /// Why the state file was not loaded, when it was not: `/health` says so.
+    state_problem: Mutex<Option<String>>,
+    /// Set when an unreadable state file could not be moved aside: snapshots would overwrite
+    /// it, so none is written.
+    save_blocked: AtomicBool,
 }
 
 /// The axum state.
@@ -78,12 +99,21 @@ impl Shared {
     pub fn new(config: Config) -> AppState {
         let hub = Hub::new(hub_config(&config), new_epoch());
         let (changed, _) = tokio::sync::watch::channel(0);
+        let fleet = Mutex::new(Fleet::new(FleetConfig {
+            gateway_timeout: config.gateway_timeout,
+            max_gateways: config.max_gateways,
+            engine_stale: config.engine_stale,
+        }));
         Arc::new(Shared {
             config,
             hub: RwLock::new(hub),
             metrics: Metrics::new(),
+            fleet,
             subscribers: Mutex::new(HashMap::new()),
             changed,
+            ingesting: Mutex::new(HashMap::new()),
+            state_problem: Mutex::new(None),
+            save_blocked: AtomicBool::new(false),
         })
     }
 
@@ -93,6 +123,10 @@ impl Shared {
 
     pub fn write(&self) -> RwLockWriteGuard<'_, Hub> {
         self.hub.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn fleet(&self) -> MutexGuard<'_, Fleet> {
+        self.fleet.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(crate) fn notify(&self) {
@@ -123,6 +157,86 @@ impl Shared {
         }
     }
 
+    /// Applies one decoded batch from `source`'s publisher, in slices of at most
+    /// `--ingest-slice-blocks` blocks with the lock released in between, so queries and other
+    /// engines go on while a huge batch is applied; then counts what it did. Returns that.
+    pub async fn apply_batch(&self, source: WorkerId, seq: u64, batch: Batch) -> IngestReport {
+        let mut job = IngestJob::new(source, seq, batch);
+        lock(&self.ingesting).insert(source, Instant::now());
+        while !self.write().ingest(&mut job) {
+            // Let the readers and writers that queued on the lock in before the next slice.
+            // A yield alone lets this thread take the lock straight back before the woken
+            // readers run; the shortest timer sleep does not.
+            tokio::time::sleep(std::time::Duration::from_micros(100)).await;
+        }
+        lock(&self.ingesting).remove(&source);
+        self.count(&job.report);
+        job.report
+    }
+
+    /// [`Shared::apply_batch`] for callers outside an async runtime (benchmarks, tools).
+    pub fn apply_batch_blocking(&self, source: WorkerId, seq: u64, batch: Batch) -> IngestReport {
+        let mut job = IngestJob::new(source, seq, batch);
+        lock(&self.ingesting).insert(source, Instant::now());
+        while !self.write().ingest(&mut job) {
+            std::thread::yield_now();
+        }
+        lock(&self.ingesting).remove(&source);
+        self.count(&job.report);
+        job.report
+    }
+
+    fn count(&self, r: &IngestReport) {
+        let m = &self.metrics;
+        m.skip("other_kv_group", r.decode.skipped_other_group as u64);
+        m.skip("unknown_event_type", r.decode.skipped_unknown as u64);
+        m.skip("lora_id_only", r.decode.lora_id_only as u64);
+        m.skip("capped", r.apply.capped + r.chunk.capped);
+        m.skip("bad_block_size", r.apply.bad_blocks);
+        m.skip("unknown_removal", r.apply.unknown_removals);
+        for (limit, n) in r.limits.iter() {
+            m.limit(limit.as_str(), n);
+        }
+        m.ingest_slices.inc_by(r.slices as u64);
+        if r.worker.is_none() {
+            return;
+        }
+        let labels = WorkerLabels::new(&r.instance, r.dp_rank);
+        for (ty, &n) in EVENT_TYPES.into_iter().zip(&r.events) {
+            if n > 0 {
+                m.events
+                    .get_or_create(&EventLabels {
+                        instance: labels.instance.clone(),
+                        dp: labels.dp.clone(),
+                        r#type: ty,
+                    })
+                    .inc_by(n);
+            }
+        }
+        if r.apply.orphans > 0 {
+            m.orphans.get_or_create(&labels).inc_by(r.apply.orphans);
+        }
+    }
+
+    /// Why the collector is degraded, if it is: an old batch still applying, a state file
+    /// that was not loaded. Also sets the ingest lag gauge.
+    pub fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let oldest = lock(&self.ingesting).values().min().map(Instant::elapsed);
+        let lag = oldest.unwrap_or_default();
+        self.metrics.ingest_lag_seconds.set(lag.as_secs_f64());
+        if lag > self.config.ingest_lag_degraded {
+            out.push(format!(
+                "ingest lags: a batch has been applying for {:.1} s",
+                lag.as_secs_f64()
+            ));
+        }
+        if let Some(p) = lock(&self.state_problem).clone() {
+            out.push(p);
+        }
+        out
+    }
+
     /// Registers a worker and starts its subscriber when it is new.
     ///
     /// # Errors
@@ -143,7 +257,19 @@ impl Shared {
     /// # Errors
     /// See [`Hub::unregister`].
     pub fn unregister(&self, req: &kvroute::api::UnregisterRequest) -> Result<usize, HubError> {
-        let removed = self.write().unregister(req)?;
+        // Fleet first (the lock order), so no load report lands between the two removals.
+        let mut fleet = self.fleet();
+        let mut hub = self.write();
+        // `Hub::unregister` names only the registered workers; their dp-rank siblings go too.
+        let before: Vec<WorkerId> = hub.workers().map(|w| w.id).collect();
+        let removed = hub.unregister(req)?;
+        let gone: Vec<WorkerId> = before
+            .into_iter()
+            .filter(|id| hub.worker(*id).is_none())
+            .collect();
+        drop(hub);
+        fleet.forget_workers(&gone);
+        drop(fleet);
         let mut subs = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
         for id in &removed {
             if let Some(task) = subs.remove(id) {
@@ -189,6 +315,7 @@ fn hub_config(c: &Config) -> HubConfig {
         max_query_tokens: c.max_query_tokens,
         feed_log_entries: c.feed_log_entries,
         max_feed_bytes: c.max_feed_bytes,
+        limits: c.limits,
     }
 }
 
@@ -208,26 +335,8 @@ fn new_epoch() -> u64 {
 pub fn start(config: Config) -> Result<AppState, Error> {
     let shared = Shared::new(config);
     let mut resume = Vec::new();
-    if let Some(dir) = &shared.config.state_dir {
-        match state::load(dir) {
-            Ok(Some(saved)) => {
-                let mut hub = Hub::new(hub_config(&shared.config), shared.read().feed.epoch());
-                match hub.import(saved) {
-                    Ok(workers) => {
-                        info!(dir = %dir.display(), workers = workers.len(), "state loaded");
-                        *shared.write() = hub;
-                        resume = workers;
-                    }
-                    Err(e) => {
-                        error!(dir = %dir.display(), error = %e, "state snapshot is inconsistent; ignored")
-                    }
-                }
-            }
-            Ok(None) => {}
-            Err(e) => {
-                error!(dir = %dir.display(), error = %e, "state snapshot unreadable; ignored")
-            }
-        }
+    if let Some(dir) = shared.config.state_dir.clone() {
+        resume = load_state(&shared, &dir);
     }
     for (id, last_seq) in resume {
         shared.start_subscriber(id, last_seq);
@@ -279,6 +388,14 @@ pub async fn serve(
             }
         })
     });
+    let scraper = tokio::spawn(scrape::run(
+        shared.clone(),
+        scrape::ScrapeConfig {
+            interval: shared.config.scrape_interval,
+            timeout: shared.config.scrape_timeout,
+            max_bytes: shared.config.max_metrics_bytes,
+        },
+    ));
     info!(addr = %listener.local_addr()?, "serving");
     let limits = server::ServerLimits {
         max_connections: shared.config.max_connections,
@@ -290,6 +407,7 @@ pub async fn serve(
     if let Some(task) = snapshots {
         task.abort();
     }
+    scraper.abort();
     shared.stop_subscribers();
     if let Some(dir) = shared.config.state_dir.clone() {
         save_state(&shared, &dir).await;
@@ -297,7 +415,46 @@ pub async fn serve(
     result.map_err(Error::Io)
 }
 
+/// Loads `--state-dir`'s state into `shared`. A file that cannot be read or used is moved
+/// aside (never overwritten later), reported and counted; the collector then starts empty.
+fn load_state(shared: &AppState, dir: &std::path::Path) -> Vec<(WorkerId, Option<u64>)> {
+    let problem = match state::load(dir) {
+        Ok(None) => return Vec::new(),
+        Ok(Some(saved)) => {
+            let mut hub = Hub::new(hub_config(&shared.config), shared.read().feed.epoch());
+            match hub.import(saved) {
+                Ok(workers) => {
+                    info!(dir = %dir.display(), workers = workers.len(), "state loaded");
+                    *shared.write() = hub;
+                    return workers;
+                }
+                Err(e) => format!("state file inconsistent ({e})"),
+            }
+        }
+        Err(e) => format!("state file unreadable ({e})"),
+    };
+    let problem = match state::move_aside(dir) {
+        Ok(p) => format!("{problem}; moved aside to {}", p.display()),
+        Err(e) => {
+            // Keep the original whatever happens: no snapshot is written over it.
+            shared.save_blocked.store(true, Ordering::Relaxed);
+            format!("{problem}; not moved aside ({e}), so no state will be saved")
+        }
+    };
+    error!(dir = %dir.display(), "{problem}; starting without it");
+    shared.metrics.state_rejected.inc();
+    *lock(&shared.state_problem) = Some(problem);
+    Vec::new()
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 async fn save_state(shared: &AppState, dir: &std::path::Path) {
+    if shared.save_blocked.load(Ordering::Relaxed) {
+        return;
+    }
     // Export under the read lock, serialize and write outside it.
     let state = shared.read().export();
     let dir = dir.to_owned();

@@ -103,6 +103,30 @@ pub struct Metrics {
     pub zmq_protocol_errors: Family<WorkerLabels, Counter>,
     /// HTTP connections refused at the `--max-connections` cap.
     pub http_connections_refused: Counter,
+    /// Things an engine's events would have created past a cap, by reason.
+    pub limited: Family<ReasonLabels, Counter>,
+    /// Served names (aliases) known.
+    pub aliases: Gauge,
+    /// SGLang page records held.
+    pub pending_pages: Gauge,
+    /// Age of the oldest batch still being applied, seconds (0 when none).
+    pub ingest_lag_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// Lock holds taken to apply batches (a big batch takes several).
+    pub ingest_slices: Counter,
+    /// State files refused on start (unreadable or inconsistent) and moved aside.
+    pub state_rejected: Counter,
+    /// Gateway load reports accepted (`POST /v1/load`).
+    pub load_reports: Counter,
+    /// Gateway load reports refused, by reason.
+    pub load_refused: Family<ReasonLabels, Counter>,
+    /// Gateways whose load report is live.
+    pub fleet_gateways: Gauge,
+    /// Gateways dropped for not reporting within the timeout.
+    pub gateways_expired: Counter,
+    /// Engine `/metrics` scrapes that gave a sample.
+    pub engine_scrapes: Counter,
+    /// Engine `/metrics` scrapes that failed or were cut off, by reason.
+    pub engine_scrape_failures: Family<ReasonLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -134,6 +158,18 @@ impl Metrics {
             feed_bytes: Counter::default(),
             zmq_protocol_errors: Family::default(),
             http_connections_refused: Counter::default(),
+            limited: Family::default(),
+            aliases: Gauge::default(),
+            pending_pages: Gauge::default(),
+            ingest_lag_seconds: Gauge::default(),
+            ingest_slices: Counter::default(),
+            state_rejected: Counter::default(),
+            load_reports: Counter::default(),
+            load_refused: Family::default(),
+            fleet_gateways: Gauge::default(),
+            gateways_expired: Counter::default(),
+            engine_scrapes: Counter::default(),
+            engine_scrape_failures: Family::default(),
         };
         registry.register(
             "events",
@@ -221,12 +257,76 @@ impl Metrics {
             "HTTP connections refused at the connection cap",
             m.http_connections_refused.clone(),
         );
+        registry.register(
+            "limited",
+            "Things engines' events would have created past a cap (aliases, dp ranks, blocks, pages), by reason",
+            m.limited.clone(),
+        );
+        registry.register("aliases", "Served names (aliases) known", m.aliases.clone());
+        registry.register(
+            "pending_pages",
+            "SGLang page records held by the re-chunkers",
+            m.pending_pages.clone(),
+        );
+        registry.register(
+            "ingest_lag_seconds",
+            "Age of the oldest batch still being applied",
+            m.ingest_lag_seconds.clone(),
+        );
+        registry.register(
+            "ingest_slices",
+            "Lock holds taken to apply batches",
+            m.ingest_slices.clone(),
+        );
+        registry.register(
+            "state_rejected",
+            "State files refused on start and moved aside",
+            m.state_rejected.clone(),
+        );
+        registry.register(
+            "load_reports",
+            "Gateway load reports accepted",
+            m.load_reports.clone(),
+        );
+        registry.register(
+            "load_reports_refused",
+            "Gateway load reports refused, by reason",
+            m.load_refused.clone(),
+        );
+        registry.register(
+            "fleet_gateways",
+            "Gateways whose load report is live",
+            m.fleet_gateways.clone(),
+        );
+        registry.register(
+            "fleet_gateways_expired",
+            "Gateways dropped for not reporting within the timeout",
+            m.gateways_expired.clone(),
+        );
+        registry.register(
+            "engine_scrapes",
+            "Engine /metrics scrapes that gave a sample",
+            m.engine_scrapes.clone(),
+        );
+        registry.register(
+            "engine_scrape_failures",
+            "Engine /metrics scrapes that failed or were cut off, by reason",
+            m.engine_scrape_failures.clone(),
+        );
         Metrics { registry, ..m }
     }
 
     pub fn skip(&self, reason: &'static str, n: u64) {
         if n > 0 {
             self.skipped
+                .get_or_create(&ReasonLabels { reason })
+                .inc_by(n);
+        }
+    }
+
+    pub fn limit(&self, reason: &'static str, n: u64) {
+        if n > 0 {
+            self.limited
                 .get_or_create(&ReasonLabels { reason })
                 .inc_by(n);
         }

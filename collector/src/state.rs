@@ -2,9 +2,10 @@
 //! worker) in one JSON file, `state.json`.
 //!
 //! Writes are atomic: the file is written to `state.json.tmp`, synced and renamed over the old
-//! one, so a crash leaves either the old or the new snapshot. A snapshot that does not parse is
-//! reported, moved aside to `state.json.corrupt` for inspection, and ignored: the collector
-//! starts empty and the engines' replay buffers refill what they still hold.
+//! one, so a crash leaves either the old or the new snapshot. A snapshot that does not parse,
+//! or that the hub refuses as inconsistent, is moved aside by [`move_aside`] under a name no
+//! earlier one has (`state.json.rejected-<unix secs>-<n>`), for inspection, and the collector
+//! starts empty: the engines' replay buffers refill what they still hold.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -30,7 +31,7 @@ pub enum StateError {
 /// Loads the snapshot in `dir`, if there is one.
 ///
 /// # Errors
-/// An unreadable or corrupt file (moved aside first when corrupt).
+/// An unreadable or corrupt file (left in place: see [`move_aside`]).
 pub fn load(dir: &Path) -> Result<Option<StateFile>, StateError> {
     let path = dir.join(FILE);
     let bytes = match std::fs::read(&path) {
@@ -38,13 +39,40 @@ pub fn load(dir: &Path) -> Result<Option<StateFile>, StateError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(source) => return Err(StateError::Io { path, source }),
     };
-    match serde_json::from_slice::<StateFile>(&bytes) {
-        Ok(s) => Ok(Some(s)),
-        Err(source) => {
-            let _ = std::fs::rename(&path, dir.join(format!("{FILE}.corrupt")));
-            Err(StateError::Corrupt { path, source })
+    serde_json::from_slice::<StateFile>(&bytes)
+        .map(Some)
+        .map_err(|source| StateError::Corrupt { path, source })
+}
+
+/// Moves the snapshot in `dir` aside under a name no earlier one has, and returns that name.
+/// A hard link claims the name (it fails on an existing file, unlike a rename), so an earlier
+/// rejected file is never overwritten, even by a concurrent start.
+///
+/// # Errors
+/// The file could not be linked or removed; it is then left where it is.
+pub fn move_aside(dir: &Path) -> Result<PathBuf, StateError> {
+    let path = dir.join(FILE);
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    for n in 0..10_000u32 {
+        let aside = dir.join(format!("{FILE}.rejected-{secs}-{n}"));
+        match std::fs::hard_link(&path, &aside) {
+            Ok(()) => {
+                std::fs::remove_file(&path).map_err(|source| StateError::Io {
+                    path: path.clone(),
+                    source,
+                })?;
+                return Ok(aside);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(source) => return Err(StateError::Io { path, source }),
         }
     }
+    Err(StateError::Io {
+        path,
+        source: std::io::Error::other("no free name to move it aside to"),
+    })
 }
 
 /// Writes `state` atomically into `dir` (created if missing). Returns the bytes written.
@@ -77,20 +105,31 @@ mod tests {
     use kvroute::index::{Index, IndexConfig};
 
     #[test]
-    fn corrupt_snapshot_is_an_error_and_moved_aside() {
+    fn corrupt_snapshots_are_errors_and_move_aside_under_unique_names() {
         let dir = tempfile::tempdir().unwrap();
         assert!(load(dir.path()).unwrap().is_none());
-        std::fs::write(dir.path().join(FILE), b"{not json").unwrap();
-        assert!(matches!(load(dir.path()), Err(StateError::Corrupt { .. })));
-        assert!(dir.path().join("state.json.corrupt").exists());
-        assert!(load(dir.path()).unwrap().is_none());
+        let mut asides = Vec::new();
+        for body in [&b"{not json"[..], b"second"] {
+            std::fs::write(dir.path().join(FILE), body).unwrap();
+            assert!(matches!(load(dir.path()), Err(StateError::Corrupt { .. })));
+            let aside = move_aside(dir.path()).unwrap();
+            assert_eq!(std::fs::read(&aside).unwrap(), body, "moved whole");
+            asides.push(aside);
+            assert!(load(dir.path()).unwrap().is_none());
+        }
+        assert_ne!(
+            asides[0], asides[1],
+            "the second never overwrites the first"
+        );
+        assert!(asides[0].exists());
+        assert!(move_aside(dir.path()).is_err(), "nothing left to move");
     }
 
     #[test]
     fn save_then_load_round_trips() {
         let dir = tempfile::tempdir().unwrap();
         let state = StateFile {
-            version: 1,
+            version: crate::hub::STATE_VERSION,
             workers: vec![],
             aliases: vec![],
             index: Index::new(IndexConfig::default()).export(),

@@ -546,11 +546,11 @@ impl Subscriber {
             None if raw.seq > 0 && self.replay_endpoint.is_some() => {
                 self.replay_from(0).await;
                 if self.seq.last.is_none_or(|l| raw.seq > l) {
-                    self.apply(raw);
+                    self.apply(raw).await;
                 }
             }
-            None => self.apply(raw),
-            Some(last) if raw.seq == last.wrapping_add(1) => self.apply(raw),
+            None => self.apply(raw).await,
+            Some(last) if raw.seq == last.wrapping_add(1) => self.apply(raw).await,
             Some(last) if raw.seq > last => {
                 warn!(endpoint = %self.endpoint, last, seq = raw.seq, "sequence gap");
                 self.shared.metrics.gaps.get_or_create(&self.labels).inc();
@@ -559,7 +559,7 @@ impl Subscriber {
                     self.replay_from(last + 1).await;
                 }
                 if self.seq.last.is_none_or(|l| raw.seq > l) {
-                    self.apply(raw);
+                    self.apply(raw).await;
                 }
             }
             Some(_) if self.seq.seen(raw.seq, &raw.payload) => {
@@ -582,7 +582,7 @@ impl Subscriber {
                     self.replay_from(0).await;
                 }
                 if self.seq.last.is_none_or(|l| raw.seq > l) {
-                    self.apply(raw);
+                    self.apply(raw).await;
                 }
             }
         }
@@ -620,7 +620,7 @@ impl Subscriber {
                         }
                         _ => {}
                     }
-                    self.apply(raw);
+                    self.apply(raw).await;
                 }
                 debug!(endpoint = %endpoint, start, batches = n, "replayed");
                 "ok"
@@ -646,13 +646,11 @@ impl Subscriber {
             .inc();
     }
 
-    fn apply(&mut self, raw: RawBatch) {
+    async fn apply(&mut self, raw: RawBatch) {
         self.seq.record(raw.seq, &raw.payload);
         match crate::decode::decode(&raw.payload) {
             Ok(batch) => {
-                self.shared
-                    .write()
-                    .apply_batch(self.source, raw.seq, batch, &self.shared.metrics);
+                self.shared.apply_batch(self.source, raw.seq, batch).await;
             }
             Err(e) => {
                 warn!(endpoint = %self.endpoint, seq = raw.seq, error = %e, "undecodable batch");

@@ -73,7 +73,7 @@ async fn seeded() -> AppState {
     ))
     .unwrap();
     let id = state.read().workers().next().unwrap().id;
-    state.write().apply_batch(id, 0, batch, &state.metrics);
+    state.apply_batch(id, 0, batch).await;
     state
 }
 
@@ -427,7 +427,7 @@ async fn feed_serves_a_snapshot_then_deltas() {
         Some(0),
     ))
     .unwrap();
-    state.write().apply_batch(id, 1, batch, &state.metrics);
+    state.apply_batch(id, 1, batch).await;
     let (_, b) = call(&state, Method::GET, &uri, None, None).await;
     let delta = Page::decode(&b).unwrap();
     assert_eq!(delta.ops.len(), 1);

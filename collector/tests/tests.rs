@@ -10,3 +10,9 @@ mod zmq_flow;
 mod http;
 // The binary: --help, bad flags, SIGTERM.
 mod cli;
+// Hostile engines and state files: caps, slices, files moved aside.
+mod hostile;
+// The fleet view against the real binary: gateway load reports and engine scrapes.
+mod fleet_common;
+mod fleet_load;
+mod fleet_scrape;

@@ -193,3 +193,60 @@ async fn requests_beyond_the_concurrency_limit_wait_their_turn() {
     assert_eq!(waiting.await.unwrap().unwrap(), 0);
     assert_eq!(e.stats(0).waiting, 0);
 }
+
+/// `/metrics` shows the engine's real queue, in vLLM's names (`engine` label) or, for an
+/// engine publishing SGLang events, SGLang's (`dp_rank` label); the collector's scraper reads
+/// both.
+#[tokio::test]
+async fn metrics_show_the_queue_in_the_engine_format() {
+    for format in [
+        kvroute_sim::wire::EventFormat::Vllm033,
+        kvroute_sim::wire::EventFormat::Sglang,
+    ] {
+        let (e, url) = serve(EngineConfig {
+            max_running: 1,
+            speed: 1.0,
+            event_format: format,
+            ..small("eng-m")
+        })
+        .await;
+        let first = e.submit(vec![1; 20], 1, None).await.unwrap();
+        let mut queued = Vec::new();
+        for i in 0..3u32 {
+            let e2 = e.clone();
+            queued.push(tokio::spawn(async move {
+                e2.submit(vec![10 + i; 20], 1, None).await.is_ok()
+            }));
+        }
+        for _ in 0..10_000 {
+            if e.stats(0).waiting == 3 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        let page = reqwest::get(format!("{url}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let (waiting, running) = if format == kvroute_sim::wire::EventFormat::Sglang {
+            assert!(!page.contains("vllm:num_requests_waiting"), "{page}");
+            (
+                "sglang:num_queue_reqs{dp_rank=\"0\",model_name=\"sim-model\"} 3",
+                "sglang:num_running_reqs{dp_rank=\"0\",model_name=\"sim-model\"} 1",
+            )
+        } else {
+            (
+                "vllm:num_requests_waiting{engine=\"0\",model_name=\"sim-model\"} 3",
+                "vllm:num_requests_running{engine=\"0\",model_name=\"sim-model\"} 1",
+            )
+        };
+        assert!(page.contains(waiting), "{page}");
+        assert!(page.contains(running), "{page}");
+        drop(first);
+        for q in queued {
+            assert!(q.await.unwrap());
+        }
+    }
+}

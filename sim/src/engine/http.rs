@@ -316,38 +316,60 @@ async fn reset_prefix_cache(State(engine): State<Engine>) -> StatusCode {
     }
 }
 
-/// Prometheus text in vLLM's metric names, one series per dp rank (`engine` label).
+/// Prometheus text in vLLM's metric names, one series per dp rank (`engine` label); an engine
+/// publishing SGLang events serves SGLang's queue and cache gauges instead (`dp_rank` label), as
+/// a real SGLang server would. The counters keep vLLM's names, which the benchmarks read.
 fn render_metrics(engine: &Engine) -> String {
     use std::fmt::Write;
     let cfg = &engine.inner.cfg;
     let stats: Vec<RankStats> = (0..engine.dp_size()).map(|r| engine.stats(r)).collect();
+    let sglang = cfg.event_format.is_sglang();
     let mut out = String::new();
     let mut family = |name: &str, kind: &str, help: &str, value: &dyn Fn(&RankStats) -> String| {
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} {kind}");
+        // SGLang labels its series by dp rank, vLLM by engine index.
+        let label = if name.starts_with("sglang:") {
+            "dp_rank"
+        } else {
+            "engine"
+        };
         for (r, s) in stats.iter().enumerate() {
             let _ = writeln!(
                 out,
-                "{name}{{engine=\"{r}\",model_name=\"{}\"}} {}",
+                "{name}{{{label}=\"{r}\",model_name=\"{}\"}} {}",
                 cfg.model,
                 value(s)
             );
         }
     };
+    let (running, waiting, kv_usage) = if sglang {
+        (
+            "sglang:num_running_reqs",
+            "sglang:num_queue_reqs",
+            "sglang:token_usage",
+        )
+    } else {
+        (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+        )
+    };
     family(
-        "vllm:num_requests_running",
+        running,
         "gauge",
         "Number of requests in model execution batches.",
         &|s| s.running.to_string(),
     );
     family(
-        "vllm:num_requests_waiting",
+        waiting,
         "gauge",
         "Number of requests waiting to be processed.",
         &|s| s.waiting.to_string(),
     );
     family(
-        "vllm:kv_cache_usage_perc",
+        kv_usage,
         "gauge",
         "KV-cache usage. 1 means 100 percent usage.",
         &|s| format!("{:.6}", s.kv_usage),

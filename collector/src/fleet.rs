@@ -1,0 +1,475 @@
+//! Fleet-wide load: the gateways' in-flight reports and the engines' own queue figures, summed
+//! per worker.
+//!
+//! Each gateway replica's filter books only the requests it sent itself, so N replicas each
+//! see 1/N of the load and all pick the same warm engine. Every gateway posts its *absolute*
+//! in-flight counts per worker (`POST /v1/load`); the collector keeps the last report of each
+//! gateway and sums them. Absolute values make a lost report harmless: the next one replaces
+//! it. A gateway that stops reporting is dropped after a timeout, so a dead replica's books do
+//! not linger. The engines' `/metrics` (see `scrape.rs`) add what the engines themselves
+//! count, which heals the gateways' drift.
+//!
+//! Pure state, no I/O and no lock: the caller holds it behind a mutex and passes the clock in,
+//! which keeps it testable and lets the feed call [`Fleet::totals`] directly.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use kvroute::event::WorkerId;
+use serde::{Deserialize, Serialize};
+
+/// Longest gateway id, bytes.
+pub const MAX_GATEWAY_ID_BYTES: usize = 128;
+/// Most in-flight requests one gateway may report for one worker; more is a bug, not load.
+pub const MAX_REQUESTS: i64 = 1_000_000;
+/// Most in-flight tokens (prefill or decode) one gateway may report for one worker.
+pub const MAX_TOKENS: i64 = 1_000_000_000;
+
+/// A gateway replica's id, as it names itself in its reports.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GatewayId(String);
+
+impl GatewayId {
+    /// Validates an id: 1..=[`MAX_GATEWAY_ID_BYTES`] bytes.
+    ///
+    /// # Errors
+    /// [`LoadError::GatewayId`] when empty or too long.
+    pub fn new(id: &str) -> Result<GatewayId, LoadError> {
+        if id.is_empty() || id.len() > MAX_GATEWAY_ID_BYTES {
+            return Err(LoadError::GatewayId(id.len()));
+        }
+        Ok(GatewayId(id.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// In-flight load on one worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadCounts {
+    pub requests: u64,
+    pub prefill_tokens: u64,
+    pub decode_tokens: u64,
+}
+
+impl LoadCounts {
+    fn add(&mut self, o: &LoadCounts) {
+        self.requests = self.requests.saturating_add(o.requests);
+        self.prefill_tokens = self.prefill_tokens.saturating_add(o.prefill_tokens);
+        self.decode_tokens = self.decode_tokens.saturating_add(o.decode_tokens);
+    }
+}
+
+/// `POST /v1/load` body. Counts are signed so that a negative one is named as such rather than
+/// lost in a generic type error.
+#[derive(Clone, Debug, Deserialize)]
+pub struct LoadReport {
+    pub gateway: String,
+    pub epoch: u64,
+    pub workers: Vec<WorkerReport>,
+}
+
+/// One worker's entry of a [`LoadReport`]; a missing count is 0.
+#[derive(Clone, Debug, Deserialize)]
+pub struct WorkerReport {
+    pub worker: u32,
+    #[serde(default)]
+    pub requests: i64,
+    #[serde(default)]
+    pub prefill_tokens: i64,
+    #[serde(default)]
+    pub decode_tokens: i64,
+}
+
+/// Why a report was refused. Nothing changes when one is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    #[error("gateway id must be 1 to {MAX_GATEWAY_ID_BYTES} bytes, got {0}")]
+    GatewayId(usize),
+    #[error("report is for feed epoch {got}, the collector's is {current}: resync the feed")]
+    Epoch { got: u64, current: u64 },
+    #[error("{entries} worker entries, more than the {workers} workers known")]
+    TooManyEntries { entries: usize, workers: usize },
+    #[error("worker {0} is not in the worker table of this epoch")]
+    UnknownWorker(u32),
+    #[error("worker {0} appears twice")]
+    DuplicateWorker(u32),
+    #[error("worker {worker}: {field} is negative ({value})")]
+    Negative {
+        worker: u32,
+        field: &'static str,
+        value: i64,
+    },
+    #[error("worker {worker}: {field} = {value} is over the cap of {cap}")]
+    Absurd {
+        worker: u32,
+        field: &'static str,
+        value: i64,
+        cap: i64,
+    },
+    #[error("{max} gateways already report; a new one is refused until one stops")]
+    TooManyGateways { max: usize },
+}
+
+impl LoadError {
+    /// The `reason` label of the refusal counter.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            LoadError::GatewayId(_) => "gateway_id",
+            LoadError::Epoch { .. } => "epoch",
+            LoadError::TooManyEntries { .. } => "too_many_entries",
+            LoadError::UnknownWorker(_) => "unknown_worker",
+            LoadError::DuplicateWorker(_) => "duplicate_worker",
+            LoadError::Negative { .. } => "negative",
+            LoadError::Absurd { .. } => "absurd",
+            LoadError::TooManyGateways { .. } => "too_many_gateways",
+        }
+    }
+}
+
+/// What an engine says of itself, from one scrape of its `/metrics`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EngineSample {
+    /// Requests queued, not yet scheduled.
+    pub waiting: u64,
+    /// Requests in the running batch.
+    pub running: u64,
+    /// KV cache in use, 0.0..=1.0.
+    pub kv_usage: f64,
+    /// When it was scraped.
+    pub at: Instant,
+}
+
+/// An [`EngineSample`] as of some instant.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EngineReading {
+    pub sample: EngineSample,
+    pub age: Duration,
+    /// Older than the staleness limit: the engine stopped answering; do not trust it.
+    pub stale: bool,
+}
+
+/// Fleet-wide load on one worker: the sum over live gateways, and the engine's last sample.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WorkerLoad {
+    pub worker: WorkerId,
+    pub load: LoadCounts,
+    pub engine: Option<EngineReading>,
+}
+
+/// Limits of the fleet view.
+#[derive(Clone, Copy, Debug)]
+pub struct FleetConfig {
+    /// A gateway silent this long is dropped.
+    pub gateway_timeout: Duration,
+    /// Most gateways reporting at once.
+    pub max_gateways: usize,
+    /// An engine sample older than this is stale.
+    pub engine_stale: Duration,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        FleetConfig {
+            gateway_timeout: Duration::from_secs(5),
+            max_gateways: 64,
+            engine_stale: Duration::from_secs(2),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct GatewayLoad {
+    at: Instant,
+    loads: Vec<(WorkerId, LoadCounts)>,
+}
+
+/// The last report of every live gateway and the last sample of every scraped worker.
+#[derive(Debug)]
+pub struct Fleet {
+    config: FleetConfig,
+    gateways: HashMap<GatewayId, GatewayLoad>,
+    engines: HashMap<WorkerId, EngineSample>,
+}
+
+impl Fleet {
+    pub fn new(config: FleetConfig) -> Fleet {
+        Fleet {
+            config,
+            gateways: HashMap::new(),
+            engines: HashMap::new(),
+        }
+    }
+
+    pub fn config(&self) -> &FleetConfig {
+        &self.config
+    }
+
+    /// Validates a gateway's report and, when all of it is sound, replaces that gateway's
+    /// previous one. `epoch` is the collector's feed epoch, `is_worker` says whether a worker id
+    /// is in the current worker table, `workers` is that table's size.
+    ///
+    /// # Errors
+    /// Any [`LoadError`]; the fleet is then unchanged (apart from expiring silent gateways).
+    pub fn report(
+        &mut self,
+        report: &LoadReport,
+        epoch: u64,
+        is_worker: impl Fn(WorkerId) -> bool,
+        workers: usize,
+        now: Instant,
+    ) -> Result<(), LoadError> {
+        self.expire(now);
+        let id = GatewayId::new(&report.gateway)?;
+        if report.epoch != epoch {
+            return Err(LoadError::Epoch {
+                got: report.epoch,
+                current: epoch,
+            });
+        }
+        if report.workers.len() > workers {
+            return Err(LoadError::TooManyEntries {
+                entries: report.workers.len(),
+                workers,
+            });
+        }
+        let mut seen = HashSet::with_capacity(report.workers.len());
+        let mut loads = Vec::with_capacity(report.workers.len());
+        for w in &report.workers {
+            if !is_worker(WorkerId(w.worker)) {
+                return Err(LoadError::UnknownWorker(w.worker));
+            }
+            if !seen.insert(w.worker) {
+                return Err(LoadError::DuplicateWorker(w.worker));
+            }
+            let count = |field: &'static str, value: i64, cap: i64| {
+                if value < 0 {
+                    Err(LoadError::Negative {
+                        worker: w.worker,
+                        field,
+                        value,
+                    })
+                } else if value > cap {
+                    Err(LoadError::Absurd {
+                        worker: w.worker,
+                        field,
+                        value,
+                        cap,
+                    })
+                } else {
+                    Ok(value as u64)
+                }
+            };
+            let counts = LoadCounts {
+                requests: count("requests", w.requests, MAX_REQUESTS)?,
+                prefill_tokens: count("prefill_tokens", w.prefill_tokens, MAX_TOKENS)?,
+                decode_tokens: count("decode_tokens", w.decode_tokens, MAX_TOKENS)?,
+            };
+            loads.push((WorkerId(w.worker), counts));
+        }
+        if !self.gateways.contains_key(&id) && self.gateways.len() >= self.config.max_gateways {
+            return Err(LoadError::TooManyGateways {
+                max: self.config.max_gateways,
+            });
+        }
+        self.gateways.insert(id, GatewayLoad { at: now, loads });
+        Ok(())
+    }
+
+    /// Drops the gateways silent for longer than the timeout; returns how many.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let before = self.gateways.len();
+        let timeout = self.config.gateway_timeout;
+        self.gateways
+            .retain(|_, g| now.saturating_duration_since(g.at) <= timeout);
+        before - self.gateways.len()
+    }
+
+    /// Gateways whose report is live at `now`.
+    pub fn gateways(&self, now: Instant) -> usize {
+        self.gateways.values().filter(|g| self.live(g, now)).count()
+    }
+
+    fn live(&self, g: &GatewayLoad, now: Instant) -> bool {
+        now.saturating_duration_since(g.at) <= self.config.gateway_timeout
+    }
+
+    /// Forgets unregistered workers: their entries in every report and their engine sample.
+    pub fn forget_workers(&mut self, ids: &[WorkerId]) {
+        if ids.is_empty() {
+            return;
+        }
+        for g in self.gateways.values_mut() {
+            g.loads.retain(|(w, _)| !ids.contains(w));
+        }
+        for id in ids {
+            self.engines.remove(id);
+        }
+    }
+
+    /// Records an engine sample for a worker.
+    pub fn set_engine(&mut self, worker: WorkerId, sample: EngineSample) {
+        self.engines.insert(worker, sample);
+    }
+
+    /// A worker's engine sample as of `now`.
+    pub fn engine(&self, worker: WorkerId, now: Instant) -> Option<EngineReading> {
+        self.engines.get(&worker).map(|s| {
+            let age = now.saturating_duration_since(s.at);
+            EngineReading {
+                sample: *s,
+                age,
+                stale: age > self.config.engine_stale,
+            }
+        })
+    }
+
+    /// Fleet-wide load per worker at `now`, by worker id: every worker some live gateway
+    /// reported or the scraper sampled. Gateways past the timeout count for nothing even before
+    /// [`Fleet::expire`] removes them, so this needs only `&self`.
+    pub fn totals(&self, now: Instant) -> Vec<WorkerLoad> {
+        let mut sums: BTreeMap<WorkerId, LoadCounts> = BTreeMap::new();
+        for g in self.gateways.values().filter(|g| self.live(g, now)) {
+            for (w, c) in &g.loads {
+                sums.entry(*w).or_default().add(c);
+            }
+        }
+        for w in self.engines.keys() {
+            sums.entry(*w).or_default();
+        }
+        sums.into_iter()
+            .map(|(worker, load)| WorkerLoad {
+                worker,
+                load,
+                engine: self.engine(worker, now),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(gw: &str, epoch: u64, entries: &[(u32, i64, i64, i64)]) -> LoadReport {
+        LoadReport {
+            gateway: gw.into(),
+            epoch,
+            workers: entries
+                .iter()
+                .map(
+                    |&(worker, requests, prefill_tokens, decode_tokens)| WorkerReport {
+                        worker,
+                        requests,
+                        prefill_tokens,
+                        decode_tokens,
+                    },
+                )
+                .collect(),
+        }
+    }
+
+    fn known(w: WorkerId) -> bool {
+        w.0 < 4
+    }
+
+    #[test]
+    fn reports_sum_across_gateways_and_replace_per_gateway() {
+        let mut f = Fleet::new(FleetConfig::default());
+        let t = Instant::now();
+        f.report(&report("a", 7, &[(0, 2, 100, 10)]), 7, known, 4, t)
+            .unwrap();
+        f.report(
+            &report("b", 7, &[(0, 3, 50, 5), (1, 1, 1, 1)]),
+            7,
+            known,
+            4,
+            t,
+        )
+        .unwrap();
+        f.report(&report("a", 7, &[(0, 1, 10, 1)]), 7, known, 4, t)
+            .unwrap();
+        let tot = f.totals(t);
+        assert_eq!(tot.len(), 2);
+        assert_eq!(
+            tot[0].load,
+            LoadCounts {
+                requests: 4,
+                prefill_tokens: 60,
+                decode_tokens: 6
+            }
+        );
+        assert_eq!(tot[1].load.requests, 1);
+    }
+
+    #[test]
+    fn silent_gateways_expire() {
+        let mut f = Fleet::new(FleetConfig {
+            gateway_timeout: Duration::from_secs(1),
+            ..FleetConfig::default()
+        });
+        let t = Instant::now();
+        f.report(&report("a", 1, &[(0, 2, 0, 0)]), 1, known, 4, t)
+            .unwrap();
+        let later = t + Duration::from_millis(1500);
+        assert_eq!(f.gateways(later), 0);
+        assert!(f.totals(later).is_empty());
+        assert_eq!(f.expire(later), 1);
+    }
+
+    #[test]
+    fn bad_reports_change_nothing() {
+        let mut f = Fleet::new(FleetConfig {
+            max_gateways: 1,
+            ..FleetConfig::default()
+        });
+        let t = Instant::now();
+        f.report(&report("a", 1, &[(0, 2, 0, 0)]), 1, known, 4, t)
+            .unwrap();
+        let cases = [
+            (report("", 1, &[]), "gateway_id"),
+            (report(&"x".repeat(129), 1, &[]), "gateway_id"),
+            (report("a", 2, &[]), "epoch"),
+            (report("a", 1, &[(9, 1, 0, 0)]), "unknown_worker"),
+            (
+                report("a", 1, &[(0, 1, 0, 0), (0, 1, 0, 0)]),
+                "duplicate_worker",
+            ),
+            (report("a", 1, &[(0, -1, 0, 0)]), "negative"),
+            (report("a", 1, &[(0, 0, MAX_TOKENS + 1, 0)]), "absurd"),
+            (report("a", 1, &[(0, 0, 0, 0); 5]), "too_many_entries"),
+            (report("b", 1, &[]), "too_many_gateways"),
+        ];
+        for (r, reason) in cases {
+            let e = f.report(&r, 1, known, 4, t).unwrap_err();
+            assert_eq!(e.reason(), reason, "{e}");
+            assert_eq!(f.totals(t)[0].load.requests, 2);
+        }
+    }
+
+    #[test]
+    fn engine_samples_go_stale_and_go_away_with_their_worker() {
+        let mut f = Fleet::new(FleetConfig::default());
+        let t = Instant::now();
+        f.set_engine(
+            WorkerId(3),
+            EngineSample {
+                waiting: 5,
+                running: 2,
+                kv_usage: 0.5,
+                at: t,
+            },
+        );
+        assert!(!f.engine(WorkerId(3), t).unwrap().stale);
+        assert!(
+            f.engine(WorkerId(3), t + Duration::from_secs(3))
+                .unwrap()
+                .stale
+        );
+        assert_eq!(f.totals(t)[0].worker, WorkerId(3));
+        f.forget_workers(&[WorkerId(3)]);
+        assert!(f.totals(t).is_empty());
+    }
+}

@@ -1,0 +1,332 @@
+//! The hub's ingest job: one engine batch into the index, in slices of bounded size.
+//!
+//! A batch becomes an [`IngestJob`]; [`Hub::ingest`] applies at most
+//! [`Limits::slice_blocks`](super::types::Limits) blocks of it per call, so the caller can
+//! release the lock between calls and let queries and other engines through. What happened is
+//! returned in the job's [`IngestReport`]: the caller counts it (metrics are not the hub's job).
+
+use std::collections::VecDeque;
+
+use kvroute::event::{KvEvent, WorkerId};
+use kvroute::index::ApplyStats;
+
+use super::store::Hub;
+use super::types::{Limit, LimitCounts};
+use crate::chunk::{ChunkStats, Chunker};
+use crate::decode::{Batch, DecodeStats};
+
+/// Event type names, indexing [`IngestReport::events`].
+pub const EVENT_TYPES: [&str; 3] = ["BlockStored", "BlockRemoved", "AllBlocksCleared"];
+
+/// What applying one batch did, for the caller to count.
+#[derive(Clone, Debug, Default)]
+pub struct IngestReport {
+    /// The worker the batch was for (its dp rank's), once resolved; `None` when refused.
+    pub worker: Option<WorkerId>,
+    /// That worker's instance id and dp rank, for metric labels.
+    pub instance: String,
+    pub dp_rank: u32,
+    /// Events by type, in [`EVENT_TYPES`] order.
+    pub events: [u64; 3],
+    /// What the decoder left out.
+    pub decode: DecodeStats,
+    pub apply: ApplyStats,
+    pub chunk: ChunkStats,
+    pub limits: LimitCounts,
+    /// Lock holds it took.
+    pub slices: u32,
+}
+
+/// One batch being applied. See the module doc.
+#[derive(Debug)]
+pub struct IngestJob {
+    source: WorkerId,
+    seq: u64,
+    dp_rank: Option<u32>,
+    events: VecDeque<KvEvent>,
+    /// `(worker, generation)` of the source and of the target once resolved.
+    source_gen: Option<u64>,
+    target: Option<(WorkerId, u64)>,
+    done: bool,
+    pub report: IngestReport,
+}
+
+impl IngestJob {
+    pub fn new(source: WorkerId, seq: u64, batch: Batch) -> IngestJob {
+        let mut report = IngestReport {
+            decode: batch.stats,
+            ..IngestReport::default()
+        };
+        for e in &batch.events {
+            report.events[event_type(e)] += 1;
+        }
+        IngestJob {
+            source,
+            seq,
+            dp_rank: batch.dp_rank,
+            events: batch.events.into(),
+            source_gen: None,
+            target: None,
+            done: false,
+            report,
+        }
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+}
+
+fn event_type(e: &KvEvent) -> usize {
+    match e {
+        KvEvent::BlockStored { .. } => 0,
+        KvEvent::BlockRemoved { .. } => 1,
+        KvEvent::AllBlocksCleared => 2,
+    }
+}
+
+/// Blocks (or hashes) an event carries: its weight against a slice.
+fn weight(e: &KvEvent) -> usize {
+    match e {
+        KvEvent::BlockStored { blocks, .. } => blocks.len(),
+        KvEvent::BlockRemoved { hashes, .. } => hashes.len(),
+        KvEvent::AllBlocksCleared => 1,
+    }
+}
+
+/// Cuts the first `n` blocks (or hashes) off `e` as an event of their own; the rest stays in
+/// `e`, chained below the last block cut, so applying both in order equals applying `e`.
+fn split_front(e: &mut KvEvent, n: usize) -> KvEvent {
+    match e {
+        KvEvent::BlockStored {
+            parent,
+            blocks,
+            tier,
+            lora_name,
+            cache_salt,
+        } => {
+            let head: Vec<_> = blocks.drain(..n).collect();
+            let head_parent = std::mem::replace(parent, head.last().map(|b| b.hash));
+            KvEvent::BlockStored {
+                parent: head_parent,
+                blocks: head,
+                tier: *tier,
+                lora_name: lora_name.clone(),
+                cache_salt: cache_salt.clone(),
+            }
+        }
+        KvEvent::BlockRemoved { hashes, tier } => KvEvent::BlockRemoved {
+            hashes: hashes.drain(..n).collect(),
+            tier: *tier,
+        },
+        KvEvent::AllBlocksCleared => KvEvent::AllBlocksCleared,
+    }
+}
+
+impl Hub {
+    /// Applies a whole batch at once, for an owner of the hub that holds no shared lock
+    /// (tests, benchmarks); the collector goes through [`Hub::ingest`] slice by slice.
+    pub fn apply_batch(&mut self, source: WorkerId, seq: u64, batch: Batch) -> IngestReport {
+        let mut job = IngestJob::new(source, seq, batch);
+        while !self.ingest(&mut job) {}
+        job.report
+    }
+
+    /// Applies the next slice of `job` (at most `slice_blocks` blocks). Returns whether the job
+    /// is done; call again (after releasing the lock, ideally) until it is. A job whose
+    /// worker went away between slices ends there.
+    pub fn ingest(&mut self, job: &mut IngestJob) -> bool {
+        if job.done {
+            return true;
+        }
+        job.report.slices += 1;
+        let Some((worker, tenant, model, block_size)) = self.start_slice(job) else {
+            job.done = true;
+            job.events.clear();
+            return true;
+        };
+        let max = self.config.limits.slice_blocks.max(1);
+        let budget = self.config.max_blocks_per_worker;
+        // Blocks the registration's other dp ranks hold: they share one budget with `worker`.
+        let family = self.family(job.source);
+        let siblings = family.len() > 1;
+        let others: usize = family
+            .iter()
+            .filter(|&&id| id != worker)
+            .map(|&id| self.index.worker_blocks(id))
+            .sum();
+        let mut pages = self.pending_pages();
+        let mut used = 0;
+        while let Some(mut event) = job.events.pop_front() {
+            let w = weight(&event);
+            let room = max - used;
+            if w > room {
+                if used > 0 && room < max / 2 {
+                    // Start the next slice with it rather than cutting it small.
+                    job.events.push_front(event);
+                    break;
+                }
+                let head = split_front(&mut event, room);
+                job.events.push_front(event);
+                event = head;
+            }
+            used += weight(&event);
+            self.ingest_event(
+                job,
+                worker,
+                &tenant,
+                &model,
+                block_size,
+                event,
+                &mut pages,
+                siblings.then_some(others),
+                budget,
+            );
+            if used >= max {
+                break;
+            }
+        }
+        if job.events.is_empty() {
+            self.finish(job, worker);
+            job.done = true;
+        }
+        job.done
+    }
+
+    /// Checks the job's workers are still the ones it started with (resolving the target on
+    /// the first slice). Returns the target with its tenant, model and block size.
+    fn start_slice(&mut self, job: &mut IngestJob) -> Option<(WorkerId, String, String, u32)> {
+        let source = self.worker(job.source)?;
+        let source_gen = source.generation;
+        if *job.source_gen.get_or_insert(source_gen) != source_gen {
+            return None;
+        }
+        let worker = match job.target {
+            Some((id, generation)) => {
+                if self.worker(id)?.generation != generation {
+                    return None;
+                }
+                id
+            }
+            None => {
+                let id = match self.resolve(job.source, job.dp_rank) {
+                    Ok(id) => id,
+                    Err(limit) => {
+                        if let Some(l) = limit {
+                            job.report.limits.hit(l, 1);
+                        }
+                        // Refused, but seen: the sequence number moves on.
+                        self.finish(job, job.source);
+                        job.report.worker = None;
+                        return None;
+                    }
+                };
+                let info = self.worker(id)?;
+                job.target = Some((id, info.generation));
+                job.report.worker = Some(id);
+                job.report.instance.clone_from(&info.reg.instance_id);
+                job.report.dp_rank = info.dp_rank();
+                // A root block without a salt of its own gets the registration's.
+                let salt = info.reg.cache_salt.clone();
+                if salt.is_some() {
+                    for e in &mut job.events {
+                        if let KvEvent::BlockStored {
+                            parent: None,
+                            cache_salt: s @ None,
+                            ..
+                        } = e
+                        {
+                            s.clone_from(&salt);
+                        }
+                    }
+                }
+                id
+            }
+        };
+        let info = self.worker(worker)?;
+        Some((
+            worker,
+            info.tenant().to_owned(),
+            info.reg.model_name.clone(),
+            info.reg.block_size,
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn ingest_event(
+        &mut self,
+        job: &mut IngestJob,
+        worker: WorkerId,
+        tenant: &str,
+        model: &str,
+        block_size: u32,
+        mut event: KvEvent,
+        pages: &mut usize,
+        shared_budget: Option<usize>,
+        budget: usize,
+    ) {
+        if let KvEvent::BlockStored {
+            lora_name: Some(lora),
+            ..
+        } = &event
+        {
+            let lora = lora.clone();
+            if let Err(l) = self.add_alias(tenant, &lora, model, Some(job.source)) {
+                job.report.limits.hit(l, 1);
+            }
+        }
+        let wants = match self.chunkers.get(&worker) {
+            Some(c) => c.wants(block_size, &event),
+            None => matches!(&event, KvEvent::BlockStored { blocks, .. }
+                if blocks.iter().any(|b| b.tokens.len() != block_size as usize)),
+        };
+        if wants {
+            let is_store = matches!(event, KvEvent::BlockStored { .. });
+            if is_store && *pages >= self.config.limits.pages {
+                job.report.limits.hit(Limit::Pages, weight(&event) as u64);
+                return;
+            }
+            let max_pages = self.config.max_pages_per_worker;
+            let c = self
+                .chunkers
+                .entry(worker)
+                .or_insert_with(|| Chunker::new(block_size, max_pages));
+            let before = c.len();
+            let out = c.apply(event, &mut job.report.chunk);
+            *pages = (*pages + c.len()).saturating_sub(before);
+            match out {
+                Some(e) => event = e,
+                None => return,
+            }
+        }
+        if let (Some(others), KvEvent::BlockStored { blocks, .. }) = (shared_budget, &mut event) {
+            let room = budget.saturating_sub(others + self.index.worker_blocks(worker));
+            if blocks.len() > room {
+                job.report
+                    .limits
+                    .hit(Limit::Blocks, (blocks.len() - room) as u64);
+                blocks.truncate(room);
+            }
+        }
+        self.changes.clear();
+        let stats = self.index.apply(worker, &event, &mut self.changes);
+        job.report.apply.add(&stats);
+        self.flush_changes();
+    }
+
+    /// The batch is through: the source's sequence number and both workers' counts.
+    fn finish(&mut self, job: &IngestJob, worker: WorkerId) {
+        let events: u64 = job.report.events.iter().sum();
+        let orphans = job.report.apply.orphans;
+        if let Some(w) = self.worker_mut(job.source) {
+            w.status.last_seq = Some(job.seq);
+            w.status.batches += 1;
+        }
+        if job.report.worker.is_some() {
+            if let Some(w) = self.worker_mut(worker) {
+                w.status.events += events;
+                w.status.orphans += orphans;
+            }
+        }
+    }
+}

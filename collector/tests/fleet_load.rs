@@ -1,0 +1,283 @@
+//! Gateway load reports against the real binary: sums over gateways, absolute values,
+//! the timeout, every refusal, the read token and `/unregister`.
+
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+use crate::fleet_common::{counter, worker, Collector};
+
+fn entry(worker: u32, requests: i64, prefill: i64, decode: i64) -> Value {
+    json!({"worker": worker, "requests": requests, "prefill_tokens": prefill, "decode_tokens": decode})
+}
+
+fn report(gateway: &str, epoch: u64, workers: Vec<Value>) -> Value {
+    json!({"gateway": gateway, "epoch": epoch, "workers": workers})
+}
+
+/// A collector without scraping and two workers; returns it, their ids and the epoch.
+async fn two_workers(args: &[&str]) -> (Collector, u32, u32, u64) {
+    let mut all = vec!["--scrape-interval-secs", "0"];
+    all.extend_from_slice(args);
+    let c = Collector::start(&all).await;
+    let a = c.register("10.0.0.1:8000", 0, "10.0.0.1:8000").await;
+    let b = c.register("10.0.0.2:8000", 0, "10.0.0.2:8000").await;
+    let epoch = c.epoch().await;
+    (c, a, b, epoch)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_sum_and_a_report_replaces_the_last() {
+    let (c, a, b, epoch) = two_workers(&[]).await;
+    let (s, v) = c
+        .post_load(report("gw-1", epoch, vec![entry(a, 2, 100, 10)]))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(worker(&v, a)["requests"], 2);
+    let (s, v) = c
+        .post_load(report(
+            "gw-2",
+            epoch,
+            vec![entry(a, 3, 50, 5), entry(b, 1, 7, 0)],
+        ))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    // The answer already carries the fleet sums.
+    assert_eq!(v["gateways"], 2);
+    assert_eq!(worker(&v, a)["requests"], 5);
+    let view = c.load().await;
+    assert_eq!(view["epoch"], epoch);
+    assert_eq!(view["workers"].as_array().unwrap().len(), 2);
+    let wa = worker(&view, a);
+    assert_eq!(
+        (&wa["requests"], &wa["prefill_tokens"], &wa["decode_tokens"]),
+        (&json!(5), &json!(150), &json!(15))
+    );
+    assert_eq!(wa["instance_id"], "10.0.0.1:8000");
+    assert_eq!(wa["dp_rank"], 0);
+    assert_eq!(wa["engine"], Value::Null);
+    assert_eq!(worker(&view, b)["prefill_tokens"], 7);
+    // Absolute counts: gw-1's new report replaces its old one, it does not add to it.
+    c.post_load(report("gw-1", epoch, vec![entry(a, 1, 10, 1)]))
+        .await;
+    let view = c.load().await;
+    assert_eq!(worker(&view, a)["requests"], 4);
+    assert_eq!(worker(&view, a)["prefill_tokens"], 60);
+    // A worker left out of a report counts 0 for that gateway.
+    c.post_load(report("gw-2", epoch, vec![])).await;
+    let view = c.load().await;
+    assert_eq!(worker(&view, a)["requests"], 1);
+    assert_eq!(worker(&view, b)["requests"], 0);
+    assert_eq!(
+        counter(&c.metrics().await, "kvroute_load_reports_total"),
+        4.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_that_stops_reporting_is_dropped() {
+    let (c, a, _b, epoch) = two_workers(&["--gateway-timeout-secs", "0.5"]).await;
+    c.post_load(report("quiet", epoch, vec![entry(a, 10, 0, 0)]))
+        .await;
+    let started = Instant::now();
+    // "busy" keeps reporting; "quiet" does not.
+    while started.elapsed() < Duration::from_millis(1200) {
+        let (s, _) = c
+            .post_load(report("busy", epoch, vec![entry(a, 1, 0, 0)]))
+            .await;
+        assert_eq!(s, StatusCode::OK);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let view = c.load().await;
+    assert_eq!(view["gateways"], 1);
+    assert_eq!(worker(&view, a)["requests"], 1);
+    let m = c.metrics().await;
+    assert_eq!(counter(&m, "kvroute_fleet_gateways_expired_total"), 1.0);
+    assert_eq!(counter(&m, "kvroute_fleet_gateways"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bad_report_is_refused_with_json_and_changes_nothing() {
+    let (c, a, b, epoch) = two_workers(&["--max-gateways", "1"]).await;
+    let (s, _) = c
+        .post_load(report("gw", epoch, vec![entry(a, 2, 20, 2)]))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let baseline = c.load().await;
+    let long_id = "g".repeat(129);
+    let cases: Vec<(String, StatusCode, &str)> = vec![
+        (
+            report("gw", epoch, vec![entry(999, 1, 0, 0)]).to_string(),
+            StatusCode::BAD_REQUEST,
+            "unknown_worker",
+        ),
+        (
+            report("gw", epoch, vec![entry(a, -1, 0, 0)]).to_string(),
+            StatusCode::BAD_REQUEST,
+            "negative",
+        ),
+        (
+            report("gw", epoch, vec![entry(a, 1_000_001, 0, 0)]).to_string(),
+            StatusCode::BAD_REQUEST,
+            "absurd",
+        ),
+        (
+            report("gw", epoch, vec![entry(a, 0, 1_000_000_001, 0)]).to_string(),
+            StatusCode::BAD_REQUEST,
+            "absurd",
+        ),
+        (
+            report(
+                "gw",
+                epoch,
+                vec![
+                    entry(a, 1, 0, 0),
+                    entry(b, 1, 0, 0),
+                    entry(a + b + 1, 1, 0, 0),
+                ],
+            )
+            .to_string(),
+            StatusCode::BAD_REQUEST,
+            "too_many_entries",
+        ),
+        (
+            report("gw", epoch, vec![entry(a, 1, 0, 0), entry(a, 1, 0, 0)]).to_string(),
+            StatusCode::BAD_REQUEST,
+            "duplicate_worker",
+        ),
+        (
+            report("gw-new", epoch, vec![entry(a, 1, 0, 0)]).to_string(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_gateways",
+        ),
+        (
+            report("gw", epoch + 1, vec![entry(a, 1, 0, 0)]).to_string(),
+            StatusCode::CONFLICT,
+            "epoch",
+        ),
+        (
+            report("", epoch, vec![]).to_string(),
+            StatusCode::BAD_REQUEST,
+            "gateway_id",
+        ),
+        (
+            report(&long_id, epoch, vec![]).to_string(),
+            StatusCode::BAD_REQUEST,
+            "gateway_id",
+        ),
+        (
+            "{\"gateway\": \"gw\", \"epoch\": ".to_owned(),
+            StatusCode::BAD_REQUEST,
+            "malformed",
+        ),
+        (
+            report("gw", epoch, vec![json!({"worker": a, "requests": 1.5})]).to_string(),
+            StatusCode::BAD_REQUEST,
+            "invalid",
+        ),
+    ];
+    for (body, status, reason) in &cases {
+        let (s, v) = c.post_load_raw(body.clone()).await;
+        assert_eq!(s, *status, "{reason}: {v}");
+        assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{v}");
+        assert_eq!(c.load().await, baseline, "{reason} changed the totals");
+    }
+    let m = c.metrics().await;
+    for (_, _, reason) in &cases {
+        let want = cases.iter().filter(|(_, _, r)| r == reason).count() as f64;
+        assert_eq!(
+            counter(
+                &m,
+                &format!("kvroute_load_reports_refused_total{{reason=\"{reason}\"}}")
+            ),
+            want,
+            "{reason}"
+        );
+    }
+    // The gateway already in keeps reporting.
+    let (s, _) = c.post_load(report("gw", epoch, vec![])).await;
+    assert_eq!(s, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_read_token_guards_both_ways() {
+    let c = Collector::start(&["--scrape-interval-secs", "0", "--read-token", "r"]).await;
+    let r = c
+        .http
+        .get(format!("{}/v1/load", c.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    let r = c
+        .http
+        .post(format!("{}/v1/load", c.url))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    let epoch = c.epoch().await;
+    let (s, v) = c.post_load(report("gw", epoch, vec![])).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["gateways"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unregistered_workers_leave_the_fleet_view() {
+    let (c, a, b, epoch) = two_workers(&[]).await;
+    c.post_load(report(
+        "gw",
+        epoch,
+        vec![entry(a, 1, 0, 0), entry(b, 2, 0, 0)],
+    ))
+    .await;
+    let r = c
+        .http
+        .post(format!("{}/unregister", c.url))
+        .json(&json!({"instance_id": "10.0.0.2:8000", "model_name": "m"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let view = c.load().await;
+    assert_eq!(view["workers"].as_array().unwrap().len(), 1);
+    assert_eq!(worker(&view, a)["requests"], 1);
+    let (s, v) = c
+        .post_load(report("gw", epoch, vec![entry(b, 2, 0, 0)]))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    // A new worker taking the freed slot starts from nothing.
+    let b2 = c.register("10.0.0.3:8000", 0, "10.0.0.3:8000").await;
+    assert_eq!(worker(&c.load().await, b2)["requests"], 0);
+}
+
+#[test]
+fn fleet_flags_have_defaults_and_are_validated() {
+    use clap::Parser;
+    use kvroute_collector::config::Cli;
+    let parse = |args: &[&str]| {
+        let mut argv = vec!["kvroute-collector"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).unwrap().into_config()
+    };
+    let d = parse(&[]).unwrap();
+    assert_eq!(d.gateway_timeout, Duration::from_secs(5));
+    assert_eq!(d.max_gateways, 64);
+    assert_eq!(d.scrape_interval, Duration::from_millis(500));
+    assert_eq!(d.scrape_timeout, Duration::from_millis(250));
+    assert_eq!(d.engine_stale, Duration::from_secs(2));
+    assert_eq!(d.max_metrics_bytes, 1 << 20);
+    let c = parse(&["--scrape-interval-secs", "0", "--max-gateways", "3"]).unwrap();
+    assert!(c.scrape_interval.is_zero());
+    assert_eq!(c.max_gateways, 3);
+    for bad in [
+        &["--scrape-timeout-secs", "0"][..],
+        &["--max-gateways", "0"],
+        &["--max-metrics-bytes", "0"],
+        &["--gateway-timeout-secs=-1"],
+    ] {
+        assert!(parse(bad).is_err(), "{bad:?} accepted");
+    }
+}
