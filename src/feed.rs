@@ -345,6 +345,32 @@ impl Page {
         out
     }
 
+    /// Appends `ops` to an encoded page without decoding it: the header is kept, the op count
+    /// rewritten, the new ops encoded after the old ones. For ops computed when a cached page
+    /// is served (`Load`). `None` when `page` is not a page of this version.
+    pub fn append_ops(page: &[u8], ops: &[Op]) -> Option<Vec<u8>> {
+        if page.get(..4)? != MAGIC || *page.get(4)? != VERSION {
+            return None;
+        }
+        let mut r = Reader::new(page.get(HEADER_LEN..)?);
+        let count = r.varint().ok()?;
+        let body = page.get(HEADER_LEN + r.position()..)?;
+        let extra = Page {
+            ops: ops.to_vec(),
+            ..Page::default()
+        }
+        .to_bytes();
+        let mut er = Reader::new(extra.get(HEADER_LEN..)?);
+        er.varint().ok()?;
+        let extra_ops = extra.get(HEADER_LEN + er.position()..)?;
+        let mut out = Vec::with_capacity(page.len() + extra_ops.len() + 10);
+        out.extend_from_slice(page.get(..HEADER_LEN)?);
+        put_varint(&mut out, count + ops.len() as u64);
+        out.extend_from_slice(body);
+        out.extend_from_slice(extra_ops);
+        Some(out)
+    }
+
     /// Decodes one page. Never panics: any malformed input is an error.
     pub fn decode(bytes: &[u8]) -> Result<Page, FeedError> {
         let mut r = Reader::new(bytes);
@@ -674,6 +700,16 @@ mod tests {
             Page::decode(&bytes),
             Err(FeedError::Tag { tag: 6, .. })
         ));
+    }
+
+    proptest! {
+        #[test]
+        fn appended_ops_decode_after_the_page_ones(page in arb_page(), extra in proptest::collection::vec(arb_op(), 0..5)) {
+            let bytes = Page::append_ops(&page.to_bytes(), &extra).unwrap();
+            let mut want = page;
+            want.ops.extend(extra);
+            prop_assert_eq!(Page::decode(&bytes), Ok(want));
+        }
     }
 
     #[test]

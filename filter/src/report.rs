@@ -31,8 +31,9 @@ struct WorkerReport {
     decode_tokens: u64,
 }
 
-/// This Envoy's gateway id: configured, or made once from the VM's random source and kept in
-/// shared data so every VM (and the next lease holder) reports under the same name.
+/// This Envoy's gateway id: configured; else made once (Envoy's node id with a random suffix,
+/// as two replicas may share a node id) and kept in shared data so every VM (and the next
+/// lease holder) reports under the same name.
 fn gateway_id(vm: &Vm) -> Option<String> {
     if let Some(id) = &vm.config().gateway_id {
         return Some(id.clone());
@@ -46,7 +47,12 @@ fn gateway_id(vm: &Vm) -> Option<String> {
         use kvroute::select::Random;
         r.next_u64()
     })?;
-    let id = format!("envoy-{r:016x}");
+    let node = host::get_property(&["node", "id"])
+        .and_then(|n| String::from_utf8(n).ok())
+        .filter(|n| !n.is_empty() && n.len() <= 100)
+        .unwrap_or_else(|| "envoy".to_owned());
+    // The clock too: test setups give every replica the same fixed random seed.
+    let id = format!("{node}-{:016x}", r ^ host::now_ms().rotate_left(32));
     match HostStore.set(&key, id.as_bytes(), cas) {
         Ok(()) => Some(id),
         // Another VM made one first: use theirs.
