@@ -64,8 +64,11 @@ fn gateway_id(vm: &Vm) -> Option<String> {
     }
 }
 
+/// The counts of a report sent: `(worker slot, counts)`.
+pub type Sent = Vec<(u32, Counts)>;
+
 /// Sends the report; returns the callout token and the counts sent.
-pub fn send(vm: &Vm, now: u64) -> Option<(u32, Vec<(u32, Counts)>)> {
+pub fn send(vm: &Vm, now: u64) -> Option<(u32, Sent)> {
     let cfg = vm.config();
     let state = mirror::read_state(&HostStore, &vm.keys).ok()?.0;
     if !state.has_index {

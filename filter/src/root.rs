@@ -4,7 +4,7 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use kvroute::feed::Page;
-use kvroute::mirror::{self, Counts, Keys, SyncError};
+use kvroute::mirror::{self, Keys, SyncError};
 use kvroute::select::SplitMix64;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, MapType};
@@ -12,6 +12,7 @@ use proxy_wasm::types::{BufferType, ContextType, MapType};
 use crate::config::{self, millis, Mode};
 use crate::host::{self, HostStore};
 use crate::http::Http;
+use crate::report::Sent;
 use crate::vm::{MetaCache, Metrics, Scratch, Vm, VmRef};
 
 pub(crate) struct Root {
@@ -20,7 +21,7 @@ pub(crate) struct Root {
     in_flight: Option<(u32, u64)>,
     /// The `/v1/load` report in flight: its token, when it was sent (ms), and what it said
     /// (stored as this gateway's share of the fleet once accepted).
-    report: Option<(u32, u64, Vec<(u32, Counts)>)>,
+    report: Option<(u32, u64, Sent)>,
     /// Block holds applied in the current tick.
     blocks_this_tick: u64,
     ticks: Cell<u64>,
