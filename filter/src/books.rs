@@ -154,6 +154,13 @@ pub fn release(vm: &VmRef, cfg: &Config, b: Booked) {
     update(vm, cfg, b.id, delta);
 }
 
+/// The speculative table as read for a decision, kept for the write after it (one copy of
+/// the value less per request when no other VM wrote meanwhile).
+pub(crate) struct SpecRead {
+    table: Vec<u8>,
+    cas: u32,
+}
+
 /// Adds the speculative holders of `view`'s prompt to `matches` (GPU tier): for each slot,
 /// the deepest stored depth whose key it shares. Stops at the first stored depth nobody
 /// holds, so a cold prompt costs one lookup.
@@ -163,19 +170,18 @@ pub fn speculative_matches<S: Store>(
     blocks: u32,
     now: u64,
     matches: &mut Vec<WorkerMatch>,
-) {
-    let Some(table) = HostStore
-        .get(&vm.keys.speculative())
-        .ok()
-        .and_then(|(v, _)| v)
-    else {
-        return;
+) -> Option<SpecRead> {
+    let (value, cas) = HostStore.get(&vm.keys.speculative()).ok()?;
+    let read = SpecRead {
+        table: value.unwrap_or_default(),
+        cas,
     };
+    let table = &read.table;
     for d in stored_depths(blocks) {
         let Some(key) = view.key_at(Depth(d - 1)) else {
             break;
         };
-        let Some((slot, held)) = spec_lookup(&table, key, now) else {
+        let Some((slot, held)) = spec_lookup(table, key, now) else {
             break;
         };
         let depth = held.min(d);
@@ -191,13 +197,16 @@ pub fn speculative_matches<S: Store>(
             }),
         }
     }
+    Some(read)
 }
 
-/// Records `slot` as the holder of `view`'s prompt at its stored depths.
+/// Records `slot` as the holder of `view`'s prompt at its stored depths, starting from the
+/// table `read` for the decision.
 pub fn remember<S: Store>(
     vm: &VmRef,
     cfg: &Config,
     view: &PrefixView<'_, S>,
+    read: Option<SpecRead>,
     blocks: u32,
     slot: u32,
     now: u64,
@@ -210,11 +219,15 @@ pub fn remember<S: Store>(
         return;
     }
     let key = vm.keys.speculative();
+    let mut first = read.map(|r| (r.table, r.cas));
     for _ in 0..mirror::CAS_RETRIES {
-        let Ok((value, cas)) = HostStore.get(&key) else {
-            break;
+        let (mut table, cas) = match first.take() {
+            Some(r) => r,
+            None => match HostStore.get(&key) {
+                Ok((value, cas)) => (value.unwrap_or_default(), cas),
+                Err(_) => break,
+            },
         };
-        let mut table = value.unwrap_or_default();
         let mut evicted = 0;
         for &(d, k) in &keys {
             if spec_insert(&mut table, SPECULATIVE_ENTRIES, k, slot, d, now, ttl) == Insert::Evicted

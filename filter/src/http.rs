@@ -352,9 +352,11 @@ impl Http {
             longest_matches(&view, depths, &mut stats)
         };
         let spec = !cfg.speculative_ttl.is_zero() && query_blocks > 0;
-        if spec {
-            books::speculative_matches(vm, &view, query_blocks as u32, now, &mut matches);
-        }
+        let spec_read = if spec {
+            books::speculative_matches(vm, &view, query_blocks as u32, now, &mut matches)
+        } else {
+            None
+        };
         let picture = Picture::read(vm, cfg, now);
         let contenders =
             cache
@@ -394,7 +396,7 @@ impl Http {
         let address = best.address.clone();
         drop(cache);
         if spec {
-            books::remember(vm, cfg, &view, query_blocks as u32, slot, now);
+            books::remember(vm, cfg, &view, spec_read, query_blocks as u32, slot, now);
         }
         let reads = view.reads();
         *seqs = view.into_seqs();

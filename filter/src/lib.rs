@@ -65,7 +65,8 @@ proxy_wasm::main! {{
 pub enum Outcome {
     /// Routed on a cache hit.
     Routed,
-    /// A cold request (no hit anywhere) routed to the least loaded instance.
+    /// Routed to an instance holding none of its blocks: a cold request (no hit anywhere) or
+    /// a hit elsewhere outweighed by load.
     RoutedCold,
     /// A cold request left to the gateway's balancing (`route.cold: defer`).
     Deferred,
