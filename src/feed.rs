@@ -15,14 +15,14 @@
 //! [`Page::MORE`] says more is ready now: ask again at once with the page's `cursor`. A
 //! collector restart brings a new epoch, so a reader never mixes two collectors' cursors.
 //!
-//! # Wire format, version 1
+//! # Wire format, version 2 (version 1 is still read: the same without op 6)
 //!
 //! All integers little-endian; `varint` is LEB128 (at most 10 bytes); `str` is a varint length
 //! and UTF-8 bytes, at most [`MAX_STR`] long.
 //!
 //! ```text
 //! magic   b"KVRF"
-//! version u8 = 1
+//! version u8 = 2
 //! flags   u8        bit 0 RESET, bit 1 MORE; other bits must be 0
 //! epoch   u64
 //! cursor  u64       pass back as `since`
@@ -34,7 +34,15 @@
 //!   4 Alias     tenant str, served str, model str, lora str ("" = none)
 //!   5 Blocks    worker varint, tier u8 (0 GPU, 1 CPU, 2 DISK), added u8 (0|1),
 //!               n varint, n × BlockKey u64
+//!   6 Load      worker varint, requests varint, prefill_tokens varint, decode_tokens varint,
+//!               engine u8 (0 none, 1 fresh, 2 stale), then unless none: waiting varint,
+//!               running varint, kv_permille varint (<= 1000), age_ms varint
 //! ```
+//!
+//! `Load` ops are not index changes: the collector appends one per worker with fleet load to
+//! every page it serves, computed at serve time (the fleet's in-flight totals over all
+//! gateways' `POST /v1/load` reports, and the engine's own last `/metrics` sample). They are
+//! never in its log, so a reader takes the latest as the current picture.
 //!
 //! Block removals are already expanded by the collector's cascade: a removed block arrives
 //! with every descendant the worker lost with it, so the reader never walks a tree. A worker
@@ -47,10 +55,27 @@ use crate::scope::BlockKey;
 /// The first four bytes of every page.
 pub const MAGIC: [u8; 4] = *b"KVRF";
 /// The format version this code reads and writes.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
+/// The oldest format version this code still reads.
+pub const MIN_VERSION: u8 = 1;
 /// Longest string the format carries (instance ids, addresses, names).
 pub const MAX_STR: usize = 4096;
 const HEADER_LEN: usize = 4 + 1 + 1 + 8 + 8;
+
+/// An engine's own report of its load, as of `age_ms` before the page was served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct EngineSample {
+    /// Requests queued, not yet scheduled.
+    pub waiting: u32,
+    /// Requests in the running batch.
+    pub running: u32,
+    /// KV cache in use, per mille (0..=1000).
+    pub kv_permille: u16,
+    /// Age of the sample when the page was served.
+    pub age_ms: u32,
+    /// The collector marks it stale (the engine stopped answering): do not trust it.
+    pub stale: bool,
+}
 
 /// One change of the index, as the filter needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -109,6 +134,19 @@ pub enum Op {
         /// The blocks.
         keys: Vec<BlockKey>,
     },
+    /// The fleet's in-flight load on a worker, over every gateway, and its engine's sample.
+    Load {
+        /// The worker.
+        worker: WorkerId,
+        /// Requests in flight.
+        requests: u64,
+        /// Uncached prefill tokens not yet prefilled.
+        prefill_tokens: u64,
+        /// Decode tokens still to generate.
+        decode_tokens: u64,
+        /// The engine's own report, if the collector has one.
+        engine: Option<EngineSample>,
+    },
 }
 
 impl Op {
@@ -132,6 +170,7 @@ impl Op {
                 lora,
             } => s(tenant) + s(served) + s(model) + s(lora.as_deref().unwrap_or("")),
             Op::Blocks { keys, .. } => 10 + 2 + 10 + 8 * keys.len(),
+            Op::Load { .. } => 4 * 10 + 1 + 4 * 10,
         }
     }
 }
@@ -270,6 +309,29 @@ impl Page {
                         out.extend_from_slice(&key.0.to_le_bytes());
                     }
                 }
+                Op::Load {
+                    worker,
+                    requests,
+                    prefill_tokens,
+                    decode_tokens,
+                    engine,
+                } => {
+                    out.push(6);
+                    put_varint(out, worker.0 as u64);
+                    put_varint(out, *requests);
+                    put_varint(out, *prefill_tokens);
+                    put_varint(out, *decode_tokens);
+                    match engine {
+                        None => out.push(0),
+                        Some(e) => {
+                            out.push(if e.stale { 2 } else { 1 });
+                            put_varint(out, e.waiting as u64);
+                            put_varint(out, e.running as u64);
+                            put_varint(out, e.kv_permille.min(1000) as u64);
+                            put_varint(out, e.age_ms as u64);
+                        }
+                    }
+                }
             }
         }
     }
@@ -283,6 +345,32 @@ impl Page {
         out
     }
 
+    /// Appends `ops` to an encoded page without decoding it: the header is kept, the op count
+    /// rewritten, the new ops encoded after the old ones. For ops computed when a cached page
+    /// is served (`Load`). `None` when `page` is not a page of this version.
+    pub fn append_ops(page: &[u8], ops: &[Op]) -> Option<Vec<u8>> {
+        if page.get(..4)? != MAGIC || *page.get(4)? != VERSION {
+            return None;
+        }
+        let mut r = Reader::new(page.get(HEADER_LEN..)?);
+        let count = r.varint().ok()?;
+        let body = page.get(HEADER_LEN + r.position()..)?;
+        let extra = Page {
+            ops: ops.to_vec(),
+            ..Page::default()
+        }
+        .to_bytes();
+        let mut er = Reader::new(extra.get(HEADER_LEN..)?);
+        er.varint().ok()?;
+        let extra_ops = extra.get(HEADER_LEN + er.position()..)?;
+        let mut out = Vec::with_capacity(page.len() + extra_ops.len() + 10);
+        out.extend_from_slice(page.get(..HEADER_LEN)?);
+        put_varint(&mut out, count + ops.len() as u64);
+        out.extend_from_slice(body);
+        out.extend_from_slice(extra_ops);
+        Some(out)
+    }
+
     /// Decodes one page. Never panics: any malformed input is an error.
     pub fn decode(bytes: &[u8]) -> Result<Page, FeedError> {
         let mut r = Reader::new(bytes);
@@ -290,7 +378,7 @@ impl Page {
             return Err(FeedError::BadMagic);
         }
         let version = r.u8()?;
-        if version != VERSION {
+        if !(MIN_VERSION..=VERSION).contains(&version) {
             return Err(FeedError::Version(version));
         }
         let flags = r.u8()?;
@@ -378,6 +466,48 @@ impl Page {
                         keys,
                     }
                 }
+                6 if version >= 2 => {
+                    let worker = WorkerId(r.u32_varint()?);
+                    let requests = r.varint()?;
+                    let prefill_tokens = r.varint()?;
+                    let decode_tokens = r.varint()?;
+                    let at = r.position();
+                    let engine = match r.u8()? {
+                        0 => None,
+                        flag @ (1 | 2) => {
+                            let waiting = r.u32_varint()?;
+                            let running = r.u32_varint()?;
+                            let at = r.position();
+                            let kv = r.varint()?;
+                            if kv > 1000 {
+                                return Err(FeedError::Value {
+                                    at,
+                                    what: "kv usage over 1000 per mille",
+                                });
+                            }
+                            Some(EngineSample {
+                                waiting,
+                                running,
+                                kv_permille: kv as u16,
+                                age_ms: r.u32_varint()?,
+                                stale: flag == 2,
+                            })
+                        }
+                        _ => {
+                            return Err(FeedError::Value {
+                                at,
+                                what: "engine sample flag",
+                            })
+                        }
+                    };
+                    Op::Load {
+                        worker,
+                        requests,
+                        prefill_tokens,
+                        decode_tokens,
+                        engine,
+                    }
+                }
                 tag => return Err(FeedError::Tag { tag, at }),
             };
             ops.push(op);
@@ -463,6 +593,34 @@ mod tests {
                     added,
                     keys: keys.into_iter().map(BlockKey).collect()
                 }),
+            (
+                any::<u32>(),
+                (any::<u64>(), any::<u64>(), any::<u64>()),
+                proptest::option::of((
+                    any::<u32>(),
+                    any::<u32>(),
+                    0u16..=1000,
+                    any::<u32>(),
+                    any::<bool>()
+                ))
+            )
+                .prop_map(|(w, (requests, prefill_tokens, decode_tokens), e)| {
+                    Op::Load {
+                        worker: WorkerId(w),
+                        requests,
+                        prefill_tokens,
+                        decode_tokens,
+                        engine: e.map(|(waiting, running, kv_permille, age_ms, stale)| {
+                            EngineSample {
+                                waiting,
+                                running,
+                                kv_permille,
+                                age_ms,
+                                stale,
+                            }
+                        }),
+                    }
+                }),
         ]
     }
 
@@ -512,6 +670,75 @@ mod tests {
             bytes[at] = byte;
             let _ = Page::decode(&bytes);
         }
+    }
+
+    #[test]
+    fn version_one_pages_still_decode_but_carry_no_load() {
+        let page = Page {
+            flags: 0,
+            epoch: 3,
+            cursor: 9,
+            ops: vec![Op::WorkerGone { id: WorkerId(1) }],
+        };
+        let mut bytes = page.to_bytes();
+        bytes[4] = 1;
+        assert_eq!(Page::decode(&bytes), Ok(page));
+        let load = Page {
+            ops: vec![Op::Load {
+                worker: WorkerId(0),
+                requests: 1,
+                prefill_tokens: 2,
+                decode_tokens: 3,
+                engine: None,
+            }],
+            ..Page::default()
+        };
+        let mut bytes = load.to_bytes();
+        assert_eq!(Page::decode(&bytes), Ok(load));
+        bytes[4] = 1;
+        assert!(matches!(
+            Page::decode(&bytes),
+            Err(FeedError::Tag { tag: 6, .. })
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn appended_ops_decode_after_the_page_ones(page in arb_page(), extra in proptest::collection::vec(arb_op(), 0..5)) {
+            let bytes = Page::append_ops(&page.to_bytes(), &extra).unwrap();
+            let mut want = page;
+            want.ops.extend(extra);
+            prop_assert_eq!(Page::decode(&bytes), Ok(want));
+        }
+    }
+
+    #[test]
+    fn a_kv_usage_over_a_thousand_per_mille_is_refused() {
+        let mut bytes = Page {
+            ops: vec![Op::Load {
+                worker: WorkerId(0),
+                requests: 0,
+                prefill_tokens: 0,
+                decode_tokens: 0,
+                engine: Some(EngineSample {
+                    kv_permille: 1000,
+                    ..EngineSample::default()
+                }),
+            }],
+            ..Page::default()
+        }
+        .to_bytes();
+        // The kv varint (1000 = e8 07) sits after waiting 0 and running 0; make it 1001.
+        let at = bytes.len() - 3;
+        assert_eq!(&bytes[at..at + 2], &[0xe8, 0x07]);
+        bytes[at] = 0xe9;
+        assert!(matches!(
+            Page::decode(&bytes),
+            Err(FeedError::Value {
+                what: "kv usage over 1000 per mille",
+                ..
+            })
+        ));
     }
 
     #[test]

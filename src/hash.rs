@@ -105,7 +105,11 @@ impl<I: Iterator<Item = BlockHash>> Iterator for Chained<I> {
 
     #[inline]
     fn next(&mut self) -> Option<SeqHash> {
-        let seq = chain(self.parent, self.blocks.next()?);
+        let block = self.blocks.next()?;
+        let seq = match self.parent {
+            Some(parent) => chain(Some(parent), block),
+            None => SeqHash(block.0),
+        };
         self.parent = Some(seq);
         Some(seq)
     }
@@ -180,7 +184,10 @@ pub fn sequence_hashes_into(
 ) -> Result<(), HashError> {
     let seqs = iter_sequence_hashes(tokens, block_size, seed)?;
     out.clear();
-    out.extend(seqs);
+    out.reserve(seqs.len());
+    for seq in seqs {
+        out.push(seq);
+    }
     Ok(())
 }
 

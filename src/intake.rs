@@ -296,6 +296,8 @@ pub enum FieldKind {
     Tokens,
     /// A string.
     Str,
+    /// A non-negative integer (`max_tokens`, say).
+    Uint,
 }
 
 /// What the scanner found for one field.
@@ -323,6 +325,8 @@ pub enum Found {
         /// Whether the bytes contain backslash escapes.
         escaped: bool,
     },
+    /// A non-negative integer that fits in 64 bits.
+    Uint(u64),
 }
 
 /// Scans a JSON object body once, filling `found[i]` for `fields[i]` (its first occurrence)
@@ -387,6 +391,14 @@ pub fn scan_json<S: AsRef<str>>(
                                 p.skip_value()?;
                                 Found::Other
                             }
+                        }
+                        FieldKind::Uint => {
+                            let start = p.i;
+                            p.skip_value()?;
+                            std::str::from_utf8(&body[start..p.i])
+                                .ok()
+                                .and_then(|n| n.parse::<u64>().ok())
+                                .map_or(Found::Other, Found::Uint)
                         }
                     };
                     if let Some(f) = found.get_mut(fi) {
@@ -895,6 +907,32 @@ mod tests {
         ));
         parse_token_string(b"1234567890 , 7", &mut out, 100).unwrap();
         assert_eq!(out, [1_234_567_890, 7]);
+    }
+
+    #[test]
+    fn integer_fields_are_read_and_anything_else_is_other() {
+        let fields = [("max_tokens", FieldKind::Uint), ("n", FieldKind::Uint)];
+        let mut toks = Vec::new();
+        let mut found = [Found::Absent; 2];
+        for (body, want) in [
+            (
+                r#"{"max_tokens": 512, "n": 1}"#,
+                [Found::Uint(512), Found::Uint(1)],
+            ),
+            (r#"{"max_tokens":-1,"n":1.5}"#, [Found::Other, Found::Other]),
+            (
+                r#"{"max_tokens":"9","n":1e3}"#,
+                [Found::Other, Found::Other],
+            ),
+            (
+                r#"{"max_tokens":99999999999999999999}"#,
+                [Found::Other, Found::Absent],
+            ),
+            (r#"{"max_tokens":null}"#, [Found::Other, Found::Absent]),
+        ] {
+            scan_json(body.as_bytes(), &fields, &mut toks, &mut found, 10).unwrap();
+            assert_eq!(found, want, "{body}");
+        }
     }
 
     #[test]

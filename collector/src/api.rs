@@ -324,6 +324,7 @@ async fn feed(
             (b, "snapshot")
         }
     };
+    let bytes = with_fleet_load(&state, bytes);
     state
         .metrics
         .feed_requests
@@ -338,6 +339,34 @@ async fn feed(
         bytes,
     )
         .into_response())
+}
+
+/// The page with the fleet's load appended (feed op `Load`, one per worker with a report or
+/// a sample), computed now: cached pages stay shared, the load is always current.
+fn with_fleet_load(state: &AppState, page: Bytes) -> Bytes {
+    let now = Instant::now();
+    let ops: Vec<kvroute::feed::Op> = state
+        .fleet()
+        .totals(now)
+        .into_iter()
+        .map(|t| kvroute::feed::Op::Load {
+            worker: t.worker,
+            requests: t.load.requests,
+            prefill_tokens: t.load.prefill_tokens,
+            decode_tokens: t.load.decode_tokens,
+            engine: t.engine.map(|e| kvroute::feed::EngineSample {
+                waiting: e.sample.waiting.min(u32::MAX.into()) as u32,
+                running: e.sample.running.min(u32::MAX.into()) as u32,
+                kv_permille: (e.sample.kv_usage.clamp(0.0, 1.0) * 1000.0).round() as u16,
+                age_ms: e.age.as_millis().min(u32::MAX.into()) as u32,
+                stale: e.stale,
+            }),
+        })
+        .collect();
+    if ops.is_empty() {
+        return page;
+    }
+    kvroute::feed::Page::append_ops(&page, &ops).map_or(page, Bytes::from)
 }
 
 async fn health(State(state): State<AppState>) -> Response {

@@ -541,3 +541,35 @@ async fn admin_and_read_tokens_are_enforced() {
     let (s, _) = call(&state, Method::GET, "/metrics", None, None).await;
     assert_eq!(s, StatusCode::OK, "metrics are open");
 }
+
+#[tokio::test]
+async fn feed_pages_carry_the_fleet_load_at_serve_time() {
+    let state = seeded().await;
+    let (_, b) = call(&state, Method::GET, "/v1/feed", None, None).await;
+    let page = Page::decode(&b).unwrap();
+    assert!(
+        !page.ops.iter().any(|op| matches!(op, Op::Load { .. })),
+        "no report, no sample: no load op"
+    );
+    let worker = state.read().workers().next().unwrap().id;
+    let report = json!({"gateway": "gw", "epoch": page.epoch,
+        "workers": [{"worker": worker.0, "requests": 3, "prefill_tokens": 40, "decode_tokens": 9}]});
+    let (s, _) = post(&state, "/v1/load", report).await;
+    assert_eq!(s, StatusCode::OK);
+    // The same cached delta page, now with the load appended.
+    let uri = format!("/v1/feed?epoch={}&since={}", page.epoch, page.cursor);
+    for _ in 0..2 {
+        let (_, b) = call(&state, Method::GET, &uri, None, None).await;
+        let delta = Page::decode(&b).unwrap();
+        assert_eq!(
+            delta.ops,
+            [Op::Load {
+                worker,
+                requests: 3,
+                prefill_tokens: 40,
+                decode_tokens: 9,
+                engine: None,
+            }]
+        );
+    }
+}

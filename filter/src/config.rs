@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use kvroute::intake::FieldKind;
 use kvroute::mirror::Limits;
+use kvroute::route::{Cold, Policy};
 use kvroute::select::Weights;
 use serde::Deserialize;
 
@@ -91,6 +92,8 @@ struct RawConfig {
     #[serde(default)]
     load: RawLoad,
     #[serde(default)]
+    route: RawRoute,
+    #[serde(default)]
     weights: RawWeights,
     #[serde(default)]
     log_level: Option<String>,
@@ -161,14 +164,79 @@ struct RawSources {
 struct RawLoad {
     #[serde(default = "default_load_ttl")]
     ttl_ms: u64,
+    #[serde(default)]
+    gateway_id: Option<String>,
+    #[serde(default = "default_true")]
+    fleet: bool,
+    #[serde(default = "default_max_waiting")]
+    max_waiting: u32,
+    #[serde(default = "default_max_kv_usage")]
+    max_kv_usage: f64,
+    #[serde(default = "default_decode_tokens")]
+    default_decode_tokens: u32,
 }
 
 impl Default for RawLoad {
     fn default() -> Self {
         RawLoad {
             ttl_ms: default_load_ttl(),
+            gateway_id: None,
+            fleet: true,
+            max_waiting: default_max_waiting(),
+            max_kv_usage: default_max_kv_usage(),
+            default_decode_tokens: default_decode_tokens(),
         }
     }
+}
+
+#[derive(Deserialize, Clone, Copy)]
+#[serde(rename_all = "lowercase")]
+enum RawCold {
+    Decide,
+    Defer,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRoute {
+    #[serde(default = "default_cold")]
+    cold: RawCold,
+    #[serde(default = "default_speculative_ttl")]
+    speculative_ttl_ms: u64,
+    #[serde(default = "default_max_hit_queue_tokens")]
+    max_hit_queue_tokens: Option<u64>,
+}
+
+impl Default for RawRoute {
+    fn default() -> Self {
+        RawRoute {
+            cold: default_cold(),
+            speculative_ttl_ms: default_speculative_ttl(),
+            max_hit_queue_tokens: default_max_hit_queue_tokens(),
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_max_waiting() -> u32 {
+    Policy::default().max_waiting
+}
+fn default_max_kv_usage() -> f64 {
+    f64::from(Policy::default().max_kv_usage)
+}
+fn default_decode_tokens() -> u32 {
+    256
+}
+fn default_cold() -> RawCold {
+    RawCold::Decide
+}
+fn default_speculative_ttl() -> u64 {
+    2000
+}
+fn default_max_hit_queue_tokens() -> Option<u64> {
+    Policy::default().max_hit_queue_tokens
 }
 
 #[derive(Deserialize)]
@@ -309,6 +377,9 @@ pub fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// Body fields giving a request's decode budget, first present wins.
+pub const DECODE_FIELDS: [&str; 2] = ["max_completion_tokens", "max_tokens"];
+
 /// The validated configuration.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -347,6 +418,19 @@ pub struct Config {
     pub debug_header: Option<String>,
     /// Time-to-live of in-flight load counts (JSON `load.ttl_ms`). Default 120 s.
     pub load_ttl: Duration,
+    /// This Envoy's name in `/v1/load` reports (JSON `load.gateway_id`). Default: a random id
+    /// made once per Envoy and kept in shared data.
+    pub gateway_id: Option<String>,
+    /// Report this Envoy's load and decide on the fleet's (JSON `load.fleet`). Default true.
+    pub fleet: bool,
+    /// Decode tokens booked for a request without `max_tokens` / `max_completion_tokens`
+    /// (JSON `load.default_decode_tokens`). Default 256.
+    pub default_decode_tokens: u32,
+    /// How long a routed request's blocks count as held by its engine before its KV events
+    /// arrive (JSON `route.speculative_ttl_ms`; 0 = off). Default 2 s.
+    pub speculative_ttl: Duration,
+    /// The decision's rules: cold requests, saturation, hot-spot guard, and the weights.
+    pub policy: Policy,
     pub weights: Weights,
     /// `trace|debug|info|warn|error|critical`. Default `warn`.
     pub log_level: log::LevelFilter,
@@ -482,6 +566,17 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             return Err(err(&format!("weights.{k}"), "must be a finite number >= 0"));
         }
     }
+    if !(0.0..=1.0).contains(&raw.load.max_kv_usage) {
+        return Err(err("load.max_kv_usage", "must be between 0 and 1"));
+    }
+    if raw
+        .load
+        .gateway_id
+        .as_ref()
+        .is_some_and(|g| g.is_empty() || g.len() > 128)
+    {
+        return Err(err("load.gateway_id", "must be 1 to 128 bytes"));
+    }
     let log_level = match raw.log_level.as_deref().unwrap_or("warn") {
         "trace" => log::LevelFilter::Trace,
         "debug" => log::LevelFilter::Debug,
@@ -522,6 +617,17 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             }
         }
     }
+    // Decode work to book, read whenever the body is scanned anyway.
+    for name in DECODE_FIELDS {
+        if !body_fields.iter().any(|(n, _)| n == name) {
+            body_fields.push((name.to_owned(), FieldKind::Uint));
+        }
+    }
+    let weights = Weights {
+        tiers: [w.gpu, w.cpu, w.disk],
+        overlap: w.overlap,
+        request: w.request,
+    };
     Ok(Config {
         cluster: raw.collector.cluster,
         authority: raw.collector.authority,
@@ -550,11 +656,21 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             .filter(|h| !h.is_empty())
             .map(|h| h.to_ascii_lowercase()),
         load_ttl: Duration::from_millis(raw.load.ttl_ms),
-        weights: Weights {
-            tiers: [w.gpu, w.cpu, w.disk],
-            overlap: w.overlap,
-            request: w.request,
+        gateway_id: raw.load.gateway_id,
+        fleet: raw.load.fleet,
+        default_decode_tokens: raw.load.default_decode_tokens,
+        speculative_ttl: Duration::from_millis(raw.route.speculative_ttl_ms),
+        policy: Policy {
+            weights,
+            cold: match raw.route.cold {
+                RawCold::Decide => Cold::Decide,
+                RawCold::Defer => Cold::Defer,
+            },
+            max_waiting: raw.load.max_waiting,
+            max_kv_usage: raw.load.max_kv_usage as f32,
+            max_hit_queue_tokens: raw.route.max_hit_queue_tokens,
         },
+        weights,
         log_level,
         random_seed: raw.random_seed,
         body_fields,
@@ -696,5 +812,40 @@ mod tests {
         assert_eq!(c.stale_after, Duration::from_secs(5), "the default");
         assert_eq!(millis(c.load_ttl), 1500);
         assert_eq!(millis(Duration::MAX), u64::MAX, "saturates");
+    }
+
+    #[test]
+    fn load_and_route_keys_have_defaults_and_are_checked() {
+        let c = parse(br#"{"collector": {"cluster": "c"}}"#).unwrap();
+        assert_eq!(c.policy, Policy::default());
+        assert_eq!(c.policy.cold, Cold::Decide);
+        assert!(c.fleet);
+        assert_eq!(c.gateway_id, None);
+        assert_eq!(c.default_decode_tokens, 256);
+        assert_eq!(millis(c.speculative_ttl), 2000);
+        assert!(c.body_field("max_tokens").is_some());
+        let c = parse(
+            br#"{"collector": {"cluster": "c"},
+                 "load": {"gateway_id": "gw-1", "fleet": false, "max_waiting": 3,
+                          "max_kv_usage": 0.5, "default_decode_tokens": 64},
+                 "route": {"cold": "defer", "speculative_ttl_ms": 0,
+                           "max_hit_queue_tokens": null}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.gateway_id.as_deref(), Some("gw-1"));
+        assert!(!c.fleet);
+        assert_eq!((c.policy.max_waiting, c.policy.max_kv_usage), (3, 0.5));
+        assert_eq!(c.policy.cold, Cold::Defer);
+        assert_eq!(c.policy.max_hit_queue_tokens, None);
+        assert_eq!(c.default_decode_tokens, 64);
+        for (bad, key) in [
+            (r#""load": {"max_kv_usage": 1.5}"#, "load.max_kv_usage"),
+            (r#""load": {"gateway_id": ""}"#, "load.gateway_id"),
+            (r#""route": {"cold": "maybe"}"#, "route.cold"),
+        ] {
+            let json = format!(r#"{{"collector": {{"cluster": "c"}}, {bad}}}"#);
+            let e = parse(json.as_bytes()).unwrap_err();
+            assert_eq!(e.path, key, "{e}");
+        }
     }
 }

@@ -12,7 +12,8 @@ use kvroute::scope::ScopeId;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
-use crate::config::{millis, Config, Mode, Source, Sources};
+use crate::books::{self, Booked, Picture};
+use crate::config::{millis, Config, Mode, Source, Sources, DECODE_FIELDS};
 use crate::host::{self, HostStore};
 use crate::vm::{Scratch, VmRef};
 use crate::Outcome;
@@ -63,8 +64,11 @@ pub(crate) struct Http {
     tenant: Res<String>,
     salt: Res<String>,
     outcome: Option<Outcome>,
-    /// Load taken at routing: (load-table id, prefill tokens), released in `on_log`.
-    routed: Option<(LoadId, u32)>,
+    /// Load taken at routing: prefill released at the first response bytes, the rest in
+    /// `on_log`.
+    routed: Option<Booked>,
+    /// The body's `max_completion_tokens` / `max_tokens`, when it has one.
+    decode_budget: Option<u64>,
     callout: Option<u32>,
     query_tokens: u32,
     matched_tokens: u32,
@@ -86,6 +90,7 @@ impl Http {
             salt: Res::Pending(0),
             outcome: None,
             routed: None,
+            decode_budget: None,
             callout: None,
             query_tokens: 0,
             matched_tokens: 0,
@@ -114,6 +119,7 @@ impl Http {
             salt: Res::Done(None),
             outcome: None,
             routed: None,
+            decode_budget: None,
             callout: None,
             query_tokens: 0,
             matched_tokens: 0,
@@ -340,40 +346,45 @@ impl Http {
         let query_blocks = view.blocks();
         depth_keys(query_blocks, depths);
         let mut stats = WalkStats::default();
-        let matches = if query_blocks == 0 {
+        let mut matches = if query_blocks == 0 {
             Vec::new()
         } else {
             longest_matches(&view, depths, &mut stats)
         };
-        let reads = view.reads();
-        *seqs = view.into_seqs();
-        self.reads = reads + 2;
-        host::record_metric(vm.metrics.lookup_reads, reads as u64);
-        if matches.is_empty() {
-            self.finish(vm, Outcome::NoMatch);
-            return Action::Continue;
-        }
-        let table = load_table(vm);
-        let ttl = millis(cfg.load_ttl);
-        let contenders = cache.roster.contenders(
-            &matches,
-            tenant,
-            model,
-            |id| mirror::load_get(&table, id, now, ttl),
-            &cfg.weights,
-        );
+        let spec = !cfg.speculative_ttl.is_zero() && query_blocks > 0;
+        let spec_read = if spec {
+            books::speculative_matches(vm, &view, query_blocks as u32, now, &mut matches)
+        } else {
+            None
+        };
+        let picture = Picture::read(vm, cfg, now);
+        let contenders =
+            cache
+                .roster
+                .contenders(&matches, tenant, model, |id| picture.load(id), &cfg.weights);
         let query = route::Query {
             blocks: query_blocks as u32,
             block_size,
         };
         let decision = match vm.rng.try_borrow_mut() {
-            Ok(mut rng) => route::decide(&contenders, query, &cfg.weights, &mut *rng),
+            Ok(mut rng) => route::decide(&contenders, query, &cfg.policy, &mut *rng),
             Err(_) => None,
         };
-        let Some((d, best)) =
-            decision.and_then(|d| cache.roster.instances.get(d.best).map(|b| (d, b)))
-        else {
-            self.finish(vm, Outcome::NoMatch);
+        let chosen = decision.and_then(|d| cache.roster.instances.get(d.best).map(|b| (d, b)));
+        let Some((d, best)) = chosen else {
+            let reads = view.reads();
+            *seqs = view.into_seqs();
+            self.reads = reads + 2;
+            host::record_metric(vm.metrics.lookup_reads, reads as u64);
+            let deferred = contenders.iter().any(|c| c.eligible);
+            self.finish(
+                vm,
+                if deferred {
+                    Outcome::Deferred
+                } else {
+                    Outcome::NoMatch
+                },
+            );
             return Action::Continue;
         };
         let runner = d
@@ -381,19 +392,25 @@ impl Http {
             .and_then(|r| cache.roster.instances.get(r))
             .map(|i| i.address.clone());
         let dp_rank = best.is_multi_rank().then_some(d.dp_rank);
-        let load_id = LoadId::slot(best.slot_of_rank(d.dp_rank).unwrap_or(0));
+        let slot = best.slot_of_rank(d.dp_rank).unwrap_or(0);
         let address = best.address.clone();
         drop(cache);
+        if spec {
+            books::remember(vm, cfg, &view, spec_read, query_blocks as u32, slot, now);
+        }
+        let reads = view.reads();
+        *seqs = view.into_seqs();
+        self.reads = reads + 2;
+        host::record_metric(vm.metrics.lookup_reads, reads as u64);
         self.route(
             vm,
             cfg,
             &address,
             runner.as_deref(),
             dp_rank,
-            load_id,
+            LoadId::slot(slot),
             d.matched_blocks,
             block_size,
-            now,
         );
         Action::Continue
     }
@@ -409,7 +426,6 @@ impl Http {
         load_id: LoadId,
         matched_blocks: u32,
         block_size: u32,
-        now: u64,
     ) {
         let value = match runner.filter(|r| *r != best && !r.is_empty()) {
             Some(r) => format!("{best},{r}"),
@@ -433,26 +449,25 @@ impl Http {
             (matched_blocks as u64 * block_size as u64).min(self.query_tokens as u64) as u32;
         self.matched_tokens = matched;
         let prefill = self.query_tokens - matched;
-        match mirror::load_update(
-            &HostStore,
-            &vm.keys,
-            cfg.limits.max_workers,
-            load_id,
-            1,
-            prefill as i64,
-            now,
-            millis(cfg.load_ttl),
-        ) {
-            Ok(true) => self.routed = Some((load_id, prefill)),
-            _ => host::increment_metric(vm.metrics.load_errors, 1),
-        }
+        let decode = self
+            .decode_budget
+            .unwrap_or(cfg.default_decode_tokens.into())
+            .min(u32::MAX.into()) as u32;
+        self.routed = books::book(vm, cfg, load_id, prefill, decode);
         if self.query_tokens > 0 {
             host::record_metric(
                 vm.metrics.matched_ratio_pct,
                 matched as u64 * 100 / self.query_tokens as u64,
             );
         }
-        self.finish(vm, Outcome::Routed);
+        self.finish(
+            vm,
+            if matched_blocks == 0 {
+                Outcome::RoutedCold
+            } else {
+                Outcome::Routed
+            },
+        );
     }
 
     fn call_remote(
@@ -529,18 +544,17 @@ impl Http {
             self.finish(vm, Outcome::CollectorError);
             return;
         };
-        let now = host::now_ms();
-        let table = load_table(vm);
-        let ttl = millis(cfg.load_ttl);
-        let contenders =
-            route::remote_contenders(&resp, |id| mirror::load_get(&table, id, now, ttl));
+        // Remote mode books per instance, which the fleet's per-worker totals do not name:
+        // its own books only.
+        let picture = Picture::read(vm, cfg, host::now_ms());
+        let contenders = route::remote_contenders(&resp, |id| picture.load(id));
         let only: Vec<route::Contender> = contenders.iter().map(|c| c.0).collect();
         let query = route::Query {
             blocks: resp.query_blocks,
             block_size: resp.block_size.max(1),
         };
         let decision = match vm.rng.try_borrow_mut() {
-            Ok(mut rng) => route::decide(&only, query, &cfg.weights, &mut *rng),
+            Ok(mut rng) => route::decide(&only, query, &cfg.policy, &mut *rng),
             Err(_) => None,
         };
         // `remote_contenders` keeps the answer's instance order: index i is the i-th entry.
@@ -548,7 +562,12 @@ impl Http {
         let Some((d, best, &(_, load_id))) =
             decision.and_then(|d| Some((d, entry(d.best)?, contenders.get(d.best)?)))
         else {
-            self.finish(vm, Outcome::NoMatch);
+            let o = if only.is_empty() {
+                Outcome::NoMatch
+            } else {
+                Outcome::Deferred
+            };
+            self.finish(vm, o);
             return;
         };
         let runner = d.runner_up.and_then(entry).map(|m| m.address.as_str());
@@ -561,21 +580,12 @@ impl Http {
             load_id,
             d.matched_blocks,
             query.block_size,
-            now,
         );
     }
 
     fn config(&self) -> Option<(VmRef, Rc<Config>)> {
         Some((self.vm.clone()?, self.cfg.clone()?))
     }
-}
-
-fn load_table(vm: &VmRef) -> Vec<u8> {
-    HostStore
-        .get(&vm.keys.load())
-        .ok()
-        .and_then(|(v, _)| v)
-        .unwrap_or_default()
 }
 
 fn is_json(content_type: &[u8]) -> bool {
@@ -704,23 +714,19 @@ impl HttpContext for Http {
         Action::Continue
     }
 
-    fn on_log(&mut self) {
-        if let (Some((id, prefill)), Some((vm, cfg))) = (self.routed.take(), self.config()) {
-            let now = host::now_ms();
-            if mirror::load_update(
-                &HostStore,
-                &vm.keys,
-                cfg.limits.max_workers,
-                id,
-                -1,
-                -(prefill as i64),
-                now,
-                millis(cfg.load_ttl),
-            )
-            .is_err()
-            {
-                host::increment_metric(vm.metrics.load_errors, 1);
+    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        // The first response bytes mean the prefill is done (the first token is out).
+        if let Some((vm, cfg)) = self.config() {
+            if let Some(b) = self.routed.as_mut() {
+                books::release_prefill(&vm, &cfg, b);
             }
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        if let (Some(b), Some((vm, cfg))) = (self.routed.take(), self.config()) {
+            books::release(&vm, &cfg, b);
         }
     }
 }
@@ -743,6 +749,14 @@ impl Http {
             max_tokens,
         );
         let found = std::mem::take(&mut scratch.found);
+        if scanned.is_ok() {
+            self.decode_budget = DECODE_FIELDS.iter().find_map(|f| {
+                match cfg.body_field(f).and_then(|i| found.get(i)) {
+                    Some(Found::Uint(n)) => Some(*n),
+                    _ => None,
+                }
+            });
+        }
         let result = match scanned {
             Ok(()) => {
                 let ctx = BodyCtx {

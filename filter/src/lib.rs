@@ -18,7 +18,11 @@
 //!    buckets (`lookup::longest_matches`) → `route::Roster::contenders` with in-flight load
 //!    → `route::decide` → headers; remote mode: a `/query` callout, then
 //!    `route::remote_contenders` → the same `route::decide`.
-//! 4. `on_log`: release the in-flight load taken at routing, whatever the outcome.
+//!    Every request of a model with live instances is decided, cold ones by load alone
+//!    (`route.cold`); the decision reads this Envoy's books, the fleet's totals and the
+//!    engines' samples (`books.rs`), and speculative holders of recent decisions.
+//! 4. The first response body bytes release the request's prefill tokens; `on_log` releases
+//!    the rest (the request and its decode budget), whatever the outcome.
 //!
 //! Every failure fails open: the request continues without the route header and a counter
 //! says why. Nothing here panics: host calls go through [`host`], which never unwraps.
@@ -30,11 +34,15 @@
 //! keyspace. Pages marked `MORE` are pulled at once until `max_blocks_per_tick` block holds
 //! were applied in this tick. Any VM takes over a lapsed lease.
 
+#[cfg(target_arch = "wasm32")]
+mod books;
 mod config;
 #[cfg(target_arch = "wasm32")]
 mod host;
 #[cfg(target_arch = "wasm32")]
 mod http;
+#[cfg(target_arch = "wasm32")]
+mod report;
 #[cfg(target_arch = "wasm32")]
 mod root;
 #[cfg(target_arch = "wasm32")]
@@ -55,7 +63,13 @@ proxy_wasm::main! {{
 /// Why a request was (not) routed. Each has a counter `kvroute.requests.<name>`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
+    /// Routed on a cache hit.
     Routed,
+    /// Routed to an instance holding none of its blocks: a cold request (no hit anywhere) or
+    /// a hit elsewhere outweighed by load.
+    RoutedCold,
+    /// A cold request left to the gateway's balancing (`route.cold: defer`).
+    Deferred,
     NoTokens,
     NoModel,
     NoMatch,
@@ -67,8 +81,10 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: [Outcome; 11] = [
         Outcome::Routed,
+        Outcome::RoutedCold,
+        Outcome::Deferred,
         Outcome::NoTokens,
         Outcome::NoModel,
         Outcome::NoMatch,
@@ -82,6 +98,8 @@ impl Outcome {
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Routed => "routed",
+            Outcome::RoutedCold => "routed_cold",
+            Outcome::Deferred => "deferred",
             Outcome::NoTokens => "no_tokens",
             Outcome::NoModel => "no_model",
             Outcome::NoMatch => "no_match",

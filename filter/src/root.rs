@@ -12,12 +12,16 @@ use proxy_wasm::types::{BufferType, ContextType, MapType};
 use crate::config::{self, millis, Mode};
 use crate::host::{self, HostStore};
 use crate::http::Http;
+use crate::report::Sent;
 use crate::vm::{MetaCache, Metrics, Scratch, Vm, VmRef};
 
 pub(crate) struct Root {
     vm: Option<VmRef>,
     /// The feed callout in flight, if any, and when it was sent (ms).
     in_flight: Option<(u32, u64)>,
+    /// The `/v1/load` report in flight: its token, when it was sent (ms), and what it said
+    /// (stored as this gateway's share of the fleet once accepted).
+    report: Option<(u32, u64, Sent)>,
     /// Block holds applied in the current tick.
     blocks_this_tick: u64,
     ticks: Cell<u64>,
@@ -29,6 +33,7 @@ impl Root {
         Root {
             vm: None,
             in_flight: None,
+            report: None,
             blocks_this_tick: 0,
             ticks: Cell::new(0),
             last_error_log_ms: 0,
@@ -108,6 +113,7 @@ impl Root {
         host::increment_metric(vm.metrics.feed_pages, 1);
         let cfg = vm.config();
         let now = host::now_ms();
+        crate::report::take_fleet(vm, &page, now);
         match mirror::apply_page(&HostStore, &vm.keys, &cfg.limits, &page, now) {
             Ok(applied) => {
                 self.blocks_this_tick += applied.stats.blocks;
@@ -136,6 +142,20 @@ impl Root {
         self.report_lag(vm);
     }
 
+    /// Posts this Envoy's in-flight counts, one report at a time.
+    fn send_report(&mut self, vm: &Vm, now: u64) {
+        let cfg = vm.config();
+        if !cfg.fleet {
+            return;
+        }
+        if let Some((_, sent, _)) = &self.report {
+            if now.saturating_sub(*sent) <= millis(cfg.feed_timeout).saturating_mul(2) + 1000 {
+                return;
+            }
+        }
+        self.report = crate::report::send(vm, now).map(|(t, r)| (t, now, r));
+    }
+
     fn report_lag(&self, vm: &Vm) {
         if let Ok((s, _)) = mirror::read_state(&HostStore, &vm.keys) {
             let lag = if s.has_index {
@@ -156,6 +176,12 @@ impl Context for Root {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        if self.report.as_ref().map(|r| r.0) == Some(token_id) {
+            if let (Some((_, _, sent)), Some(vm)) = (self.report.take(), self.vm.clone()) {
+                crate::report::on_answer(&vm, num_headers, &sent);
+            }
+            return;
+        }
         if self.in_flight.map(|(t, _)| t) != Some(token_id) {
             return;
         }
@@ -233,7 +259,10 @@ impl RootContext for Root {
             now,
             Self::lease_ms(cfg),
         ) {
-            Ok(true) => self.pull(&vm),
+            Ok(true) => {
+                self.pull(&vm);
+                self.send_report(&vm, now);
+            }
             Ok(false) => self.report_lag(&vm),
             Err(e) => self.log_error(&format!("kvroute: lease: {e}")),
         }

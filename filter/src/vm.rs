@@ -14,7 +14,7 @@ use crate::{Outcome, Plugin};
 /// Metric ids of one VM.
 #[derive(Debug, Default)]
 pub(crate) struct Metrics {
-    pub requests: [Option<u32>; 9],
+    pub requests: [Option<u32>; Outcome::ALL.len()],
     pub matched_ratio_pct: Option<u32>,
     pub lookup_reads: Option<u32>,
     pub sync_lag_ms: Option<u32>,
@@ -24,6 +24,10 @@ pub(crate) struct Metrics {
     pub bucket_full: Option<u32>,
     pub load_errors: Option<u32>,
     pub resyncs: Option<u32>,
+    pub speculative_evictions: Option<u32>,
+    pub load_reports: Option<u32>,
+    pub load_report_errors: Option<u32>,
+    pub leaks_repaired: Option<u32>,
 }
 
 impl Metrics {
@@ -42,6 +46,10 @@ impl Metrics {
             bucket_full: c("kvroute.bucket_full"),
             load_errors: c("kvroute.load_errors"),
             resyncs: c("kvroute.resyncs"),
+            speculative_evictions: c("kvroute.speculative_evictions"),
+            load_reports: c("kvroute.load_reports"),
+            load_report_errors: c("kvroute.load_report_errors"),
+            leaks_repaired: c("kvroute.leaks_repaired"),
             ..Metrics::default()
         };
         for (i, o) in Outcome::ALL.iter().enumerate() {

@@ -93,6 +93,10 @@ struct FeedState {
     down: bool,
     pulls: u64,
     feed_bytes: u64,
+    /// `Load` ops appended to every page served (the fleet picture at serve time).
+    fleet: Vec<Op>,
+    /// Bodies of the `POST /v1/load` reports received.
+    reports: Vec<serde_json::Value>,
 }
 
 /// A collector double that speaks `/v1/feed`.
@@ -119,6 +123,11 @@ impl FakeCollector {
         if s.down {
             return CalloutReply::Reset;
         }
+        if c.path() == "/v1/load" {
+            let report = serde_json::from_slice(&c.body).unwrap_or_default();
+            s.reports.push(report);
+            return CalloutReply::Response(Response::ok("{}"));
+        }
         s.pulls += 1;
         let path = c.path().to_owned();
         let epoch = query_param(&path, "epoch");
@@ -142,6 +151,8 @@ impl FakeCollector {
                 ops: s.history.clone(),
             }
         };
+        let mut page = page;
+        page.ops.extend(s.fleet.iter().cloned());
         let bytes = page.to_bytes();
         s.feed_bytes += bytes.len() as u64;
         CalloutReply::Response(
@@ -223,6 +234,16 @@ impl FakeCollector {
         self.state.lock().unwrap().down = down;
     }
 
+    /// Sets the fleet picture served with every page from now on.
+    pub fn set_fleet(&self, ops: Vec<Op>) {
+        self.state.lock().unwrap().fleet = ops;
+    }
+
+    /// The load reports received so far.
+    pub fn reports(&self) -> Vec<serde_json::Value> {
+        self.state.lock().unwrap().reports.clone()
+    }
+
     pub fn pulls(&self) -> u64 {
         self.state.lock().unwrap().pulls
     }
@@ -287,11 +308,16 @@ pub fn keys() -> Keys {
 
 /// In-flight requests the filter recorded for worker slot `slot`.
 pub fn in_flight(gw: &Gateway, slot: u32) -> u32 {
+    booked(gw, slot).requests
+}
+
+/// Everything the filter booked for worker slot `slot`.
+pub fn booked(gw: &Gateway, slot: u32) -> mirror::Load {
     let table = gw
         .shared_data(&keys().load())
         .map(|(v, _)| v)
         .unwrap_or_default();
-    mirror::load_get(&table, LoadId::slot(slot), u64::MAX, u64::MAX).requests
+    mirror::load_get(&table, LoadId::slot(slot), u64::MAX, u64::MAX)
 }
 
 /// The request went on unrouted, the VM is healthy, and the counter says why.

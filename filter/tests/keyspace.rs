@@ -16,7 +16,7 @@ fn a_million_blocks_churn_through_a_fixed_keyspace() {
     let mut gw = gateway(&config(json!({"index": {"buckets": BUCKETS}})), 2);
     feed.attach(&mut gw);
     sync(&mut gw);
-    let bound = 4 + 2 * (1 + BUCKETS);
+    let bound = 7 + 2 * (1 + BUCKETS);
     let mut counts = Vec::new();
     let per_round = 50_000u64;
     let mut churned = 0u64;

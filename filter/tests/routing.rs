@@ -289,17 +289,100 @@ fn dp_ranks_fold_into_their_instance_and_name_the_rank() {
 }
 
 #[test]
-fn no_block_held_anywhere_fails_open_as_no_match() {
+fn cold_requests_are_decided_by_load_and_booked() {
     let (mut gw, _) = longest_prefix_setup(json!({}));
-    let before = count(&gw, "no_match");
-    let o = complete(&mut gw, "m", &tokens(7000, 64));
-    assert_fail_open(&gw, &o, "no_match", before);
-    // Shorter than a block: nothing to hash.
+    // Held: each booked request stays in flight, so the next cold one sees it.
+    let mut held = Vec::new();
+    let mut chosen = Vec::new();
+    for i in 0..4 {
+        let r = gw
+            .request()
+            .json_body(&json!({"model": "m", "prompt": tokens(7000 + i * 100, 64)}))
+            .hold_response()
+            .start();
+        let o = gw.outcome(r);
+        chosen.push(best(&o).unwrap_or("none").to_owned());
+        held.push(r);
+    }
+    assert_eq!(count(&gw, "routed_cold"), 4);
+    // Spread by load: two each, not four on one.
+    assert_eq!(chosen.iter().filter(|c| *c == A).count(), 2, "{chosen:?}");
+    assert_eq!(in_flight(&gw, 0), 2);
+    assert_eq!(in_flight(&gw, 1), 2);
+    // Each booked its whole prompt as prefill and the default decode budget.
+    assert_eq!(booked(&gw, 0).prefill_tokens, 128);
+    assert_eq!(booked(&gw, 0).decode_tokens, 512);
+    for r in held {
+        gw.respond(r, kvroute_host_test::Response::ok("done"));
+    }
+    assert_eq!(booked(&gw, 0), kvroute::mirror::Load::default());
+    assert_eq!(booked(&gw, 1), kvroute::mirror::Load::default());
+}
+
+#[test]
+fn a_prompt_shorter_than_a_block_is_decided_too_but_an_unknown_model_is_not() {
+    let (mut gw, _) = longest_prefix_setup(json!({}));
     let o = complete(&mut gw, "m", &tokens(0, 15));
-    assert_fail_open(&gw, &o, "no_match", before + 1);
-    // A model the index does not know.
+    assert!(matches!(best(&o), Some(A) | Some(B)), "{}", debug(&o));
+    assert_eq!(count(&gw, "routed_cold"), 1);
+    let before = count(&gw, "no_match");
     let o = complete(&mut gw, "unknown", &tokens(0, 64));
-    assert_fail_open(&gw, &o, "no_match", before + 2);
+    assert_fail_open(&gw, &o, "no_match", before);
+}
+
+#[test]
+fn deferred_cold_requests_get_no_header() {
+    let (mut gw, prompt) = longest_prefix_setup(json!({"route": {"cold": "defer"}}));
+    let before = count(&gw, "deferred");
+    let o = complete(&mut gw, "m", &tokens(7000, 64));
+    assert_fail_open(&gw, &o, "deferred", before);
+    assert_eq!(in_flight(&gw, 0) + in_flight(&gw, 1), 0, "nothing booked");
+    let o = complete(&mut gw, "m", &tokens(0, 15));
+    assert_fail_open(&gw, &o, "deferred", before + 1);
+    // A hit is still routed.
+    assert_eq!(best(&complete(&mut gw, "m", &prompt)), Some(A));
+}
+
+#[test]
+fn decode_budget_comes_from_the_body_and_prefill_is_released_once() {
+    let (mut gw, prompt) = longest_prefix_setup(json!({}));
+    // a holds 4 blocks of it, b 2: a, with 2 blocks (32 tokens) to prefill.
+    let mut longer = prompt.clone();
+    longer.extend(tokens(9000, 32));
+    let r1 = gw
+        .request()
+        .json_body(&json!({"model": "m", "prompt": longer, "max_tokens": 1000}))
+        .hold_response()
+        .start();
+    assert_eq!(best(&gw.outcome(r1)), Some(A));
+    // The same prompt again: r1's speculative entry says a holds all 6 blocks (cost 2 queued
+    // + 0 + 1 request = 3 against b's 4 uncached).
+    let r2 = gw
+        .request()
+        .json_body(&json!({"model": "m", "prompt": longer, "max_completion_tokens": 7, "max_tokens": 1000}))
+        .hold_response()
+        .start();
+    let o2 = gw.outcome(r2);
+    assert_eq!(best(&o2), Some(A), "{}", debug(&o2));
+    let l = booked(&gw, 0);
+    assert_eq!(
+        (l.requests, l.prefill_tokens, l.decode_tokens),
+        (2, 32, 1007)
+    );
+    // r1 ends: its prefill (32) and decode (1000) go, once; r2's stay.
+    gw.respond(r1, kvroute_host_test::Response::ok("tokens"));
+    let l = booked(&gw, 0);
+    assert_eq!((l.requests, l.prefill_tokens, l.decode_tokens), (1, 0, 7));
+    // A response without body bytes: the prefill goes at the end.
+    let r3 = gw
+        .request()
+        .json_body(&json!({"model": "m", "prompt": tokens(20_000, 40)}))
+        .hold_response()
+        .start();
+    gw.respond(r3, kvroute_host_test::Response::new(204));
+    gw.respond(r2, kvroute_host_test::Response::ok("tokens"));
+    assert_eq!(booked(&gw, 0), kvroute::mirror::Load::default());
+    assert_eq!(booked(&gw, 1), kvroute::mirror::Load::default());
 }
 
 #[test]

@@ -49,7 +49,8 @@ fn tenant_b_is_never_routed_by_tenant_a_blocks() {
     feed.block_size("tb", "m");
     let prompt = tokens(0, 64);
     feed.hold(0, &prompt, "ta", "m", None, None);
-    let mut gw = gateway(&config(json!({})), 1);
+    // Cold requests deferred: a request of another scope must find no hit at all.
+    let mut gw = gateway(&config(json!({"route": {"cold": "defer"}})), 1);
     feed.attach(&mut gw);
     sync(&mut gw);
     let body = json!({"model": "m", "prompt": prompt});
@@ -59,16 +60,16 @@ fn tenant_b_is_never_routed_by_tenant_a_blocks() {
         .json_body(&body)
         .send();
     assert_eq!(best(&o), Some(A));
-    let before = count(&gw, "no_match");
+    let before = count(&gw, "deferred");
     let o = gw
         .request()
         .header("x-tenant-id", "tb")
         .json_body(&body)
         .send();
-    assert_fail_open(&gw, &o, "no_match", before);
+    assert_fail_open(&gw, &o, "deferred", before);
     // No tenant header: the default tenant, which holds nothing either.
     let o = gw.request().json_body(&body).send();
-    assert_fail_open(&gw, &o, "no_match", before + 1);
+    assert_fail_open(&gw, &o, "deferred", before + 1);
 }
 
 #[test]
@@ -84,7 +85,8 @@ fn lora_adapters_and_cache_salts_are_scopes_of_their_own() {
     let prompt = tokens(0, 64);
     feed.hold(0, &prompt, "default", "m", Some("sql-lora"), None);
     feed.hold(1, &prompt, "default", "m", None, Some("s1"));
-    let mut gw = gateway(&config(json!({})), 1);
+    // Cold requests deferred: a request of another scope must find no hit at all.
+    let mut gw = gateway(&config(json!({"route": {"cold": "defer"}})), 1);
     feed.attach(&mut gw);
     sync(&mut gw);
     // The adapter's served name resolves through the alias to (m, sql-lora): a.
@@ -96,18 +98,18 @@ fn lora_adapters_and_cache_salts_are_scopes_of_their_own() {
         .json_body(&json!({"model": "m", "prompt": prompt, "cache_salt": "s1"}))
         .send();
     assert_eq!(best(&o), Some(B));
-    let before = count(&gw, "no_match");
+    let before = count(&gw, "deferred");
     let o = gw
         .request()
         .json_body(&json!({"model": "m", "prompt": prompt, "cache_salt": "s2"}))
         .send();
-    assert_fail_open(&gw, &o, "no_match", before);
+    assert_fail_open(&gw, &o, "deferred", before);
     let o = complete(&mut gw, "m", &prompt);
-    assert_fail_open(&gw, &o, "no_match", before + 1);
+    assert_fail_open(&gw, &o, "deferred", before + 1);
     // The adapter with a salt is yet another scope.
     let o = gw
         .request()
         .json_body(&json!({"model": "sql-lora", "prompt": prompt, "cache_salt": "s1"}))
         .send();
-    assert_fail_open(&gw, &o, "no_match", before + 2);
+    assert_fail_open(&gw, &o, "deferred", before + 2);
 }

@@ -348,3 +348,72 @@ fn a_new_epoch_replaces_the_index_and_an_outage_recovers() {
     sync(&mut gw);
     assert_eq!(best(&complete(&mut gw, "m", &prompt)), Some(B));
 }
+
+#[test]
+fn gateways_share_their_load_through_a_real_collector() {
+    let rt = runtime();
+    let prompt = tokens(0, 64);
+    let c = Collector::start(&rt);
+    let mut pa = rt
+        .block_on(Publisher::start(PublisherConfig::loopback(
+            EventFormat::Vllm033,
+        )))
+        .expect("bind");
+    let pb = rt
+        .block_on(Publisher::start(PublisherConfig::loopback(
+            EventFormat::Vllm033,
+        )))
+        .expect("bind");
+    c.register(&rt, "a", &pa, A);
+    c.register(&rt, "b", &pb, B);
+    c.publish_and_wait(&rt, &mut pa, "a", &prompt);
+    let mut gw1 = gateway(&config(json!({"load": {"gateway_id": "gw-1"}})), 1);
+    let mut gw2 = gateway(&config(json!({"load": {"gateway_id": "gw-2"}})), 1);
+    gw1.cluster_forward(CLUSTER, c.addr);
+    gw2.cluster_forward(CLUSTER, c.addr);
+    sync(&mut gw1);
+    sync(&mut gw2);
+    // Gateway 1 sends three requests of a's cached prompt to a, and holds them.
+    let held: Vec<_> = (0..3)
+        .map(|_| {
+            let r = gw1
+                .request()
+                .json_body(&json!({"model": "m", "prompt": prompt}))
+                .hold_response()
+                .start();
+            assert_eq!(best(&gw1.outcome(r)), Some(A));
+            r
+        })
+        .collect();
+    // Its lease holder reports them (absolute counts) on its tick.
+    sync(&mut gw1);
+    let requests_on_a = |c: &Collector| {
+        let table: Vec<_> = c
+            .state
+            .read()
+            .workers()
+            .map(|w| (w.id, w.reg.instance_id.clone()))
+            .collect();
+        let a = table.iter().find(|(_, i)| i == "a").map(|(id, _)| *id);
+        c.state
+            .fleet()
+            .totals(std::time::Instant::now())
+            .iter()
+            .find(|t| Some(t.worker) == a)
+            .map_or(0, |t| t.load.requests)
+    };
+    assert_eq!(requests_on_a(&c), 3);
+    // Gateway 2 never saw them, but the feed carries the fleet's totals: its cold request
+    // goes to b (idle) although a and b look alike in its own books.
+    sync(&mut gw2);
+    for i in 0..3 {
+        let o = complete(&mut gw2, "m", &tokens(50_000 + i * 1000, 64));
+        assert_eq!(best(&o), Some(B), "{}", debug(&o));
+    }
+    // Gateway 1's requests end: its next report says zero.
+    for r in held {
+        gw1.respond(r, kvroute_host_test::Response::ok("x"));
+    }
+    sync(&mut gw1);
+    assert_eq!(requests_on_a(&c), 0);
+}

@@ -10,6 +10,8 @@ mod bad_input;
 mod common;
 /// The shared-data keyspace stays fixed while a million blocks churn.
 mod keyspace;
+/// Fleet-wide load reports and totals, engine samples, speculative holders.
+mod load;
 /// Remote mode: `/query` per request, timeouts and errors.
 mod remote;
 /// Routing from every intake source; load, ties, dp ranks, runner-up, load release.

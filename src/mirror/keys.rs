@@ -80,6 +80,21 @@ impl Keys {
         format!("{}/load", self.prefix)
     }
 
+    /// The fleet load key (`fleet.rs`).
+    pub fn fleet(&self) -> String {
+        format!("{}/fleet", self.prefix)
+    }
+
+    /// The key holding this Envoy's gateway id, made once.
+    pub fn gateway(&self) -> String {
+        format!("{}/gateway", self.prefix)
+    }
+
+    /// The speculative-holder table key (`speculative.rs`).
+    pub fn speculative(&self) -> String {
+        format!("{}/spec", self.prefix)
+    }
+
     /// The meta key of generation `gen` (0 or 1).
     pub fn meta(&self, gen: u8) -> String {
         format!("{}/g{}/meta", self.prefix, gen & 1)

@@ -11,8 +11,11 @@ use super::store::{Store, StoreError};
 pub struct Load {
     /// Requests routed and not finished.
     pub requests: u32,
-    /// Their uncached prompt tokens: prefill work queued.
+    /// Their uncached prompt tokens: prefill work queued (released at the first response
+    /// bytes).
     pub prefill_tokens: u32,
+    /// Their decode work still to come, in tokens (released at the end of the request).
+    pub decode_tokens: u32,
 }
 
 /// Who a load-table entry counts for: a worker slot of the mirror (local mode) or an
@@ -44,37 +47,63 @@ impl LoadId {
     pub fn get(self) -> u64 {
         self.0
     }
+
+    /// The worker slot, when this is a slot's id.
+    pub fn as_slot(self) -> Option<u32> {
+        (self.0 & Self::INSTANCE_BIT == 0 && self.0 != 0).then(|| (self.0 - 1) as u32)
+    }
 }
 
-const LOAD_ENTRY: usize = 24;
+const LOAD_ENTRY: usize = 32;
+/// The table's first byte: the mirror's layout with the top bit set, so a table of the older
+/// 24-byte entries (first byte `LAYOUT_VERSION`) reads as empty and is rebuilt.
+const LOAD_FORMAT: u8 = LAYOUT_VERSION | 0x80;
 
 /// The load of `id` (nonzero) in a load table value: zero when absent or not updated for
 /// `ttl_ms` (a VM that died never releases its counts; the time-to-live forgets them).
 ///
 /// # Layout
-/// `version u8`, then `capacity × (id u64, requests u32, prefill_tokens u32, updated_ms u64)`,
-/// open addressing from `id % capacity`; id 0 is a free entry.
+/// `format u8`, then `capacity × (id u64, requests u32, prefill_tokens u32, decode_tokens u32,
+/// 0 u32, updated_ms u64)`, open addressing from `id % capacity`; id 0 is a free entry.
 pub fn load_get(table: &[u8], id: LoadId, now_ms: u64, ttl_ms: u64) -> Load {
     match load_find(table, id) {
-        Some((at, true)) => {
-            let updated = le_u64(table, at + 16);
-            if now_ms.saturating_sub(updated) > ttl_ms {
-                Load::default()
-            } else {
-                Load {
-                    requests: le_u64(table, at + 8) as u32,
-                    prefill_tokens: (le_u64(table, at + 8) >> 32) as u32,
-                }
-            }
-        }
+        Some((at, true)) => entry_at(table, at, now_ms, ttl_ms),
         _ => Load::default(),
     }
+}
+
+fn entry_at(table: &[u8], at: usize, now_ms: u64, ttl_ms: u64) -> Load {
+    let updated = le_u64(table, at + 24);
+    if now_ms.saturating_sub(updated) > ttl_ms {
+        return Load::default();
+    }
+    Load {
+        requests: le_u64(table, at + 8) as u32,
+        prefill_tokens: (le_u64(table, at + 8) >> 32) as u32,
+        decode_tokens: le_u64(table, at + 16) as u32,
+    }
+}
+
+/// Every live entry of a table: `(id, load, updated_ms)`, skipping free and expired ones.
+pub fn load_entries(table: &[u8], now_ms: u64, ttl_ms: u64) -> Vec<(LoadId, Load, u64)> {
+    if table.first() != Some(&LOAD_FORMAT) {
+        return Vec::new();
+    }
+    let cap = (table.len() - 1) / LOAD_ENTRY;
+    (0..cap)
+        .map(|i| 1 + i * LOAD_ENTRY)
+        .filter_map(|at| {
+            let id = le_u64(table, at);
+            let load = entry_at(table, at, now_ms, ttl_ms);
+            (id != 0 && load != Load::default()).then(|| (LoadId(id), load, le_u64(table, at + 24)))
+        })
+        .collect()
 }
 
 /// Finds `id`'s entry: `(offset, true)`, or the first free entry `(offset, false)`.
 fn load_find(table: &[u8], id: LoadId) -> Option<(usize, bool)> {
     let id = id.0;
-    if table.first() != Some(&LAYOUT_VERSION) || id == 0 {
+    if table.first() != Some(&LOAD_FORMAT) || id == 0 {
         return None;
     }
     let cap = (table.len() - 1) / LOAD_ENTRY;
@@ -92,7 +121,7 @@ fn load_find(table: &[u8], id: LoadId) -> Option<(usize, bool)> {
         if e == 0 {
             return Some((free.unwrap_or(at), false));
         }
-        if free.is_none() && le_u64(table, at + 8) == 0 {
+        if free.is_none() && le_u64(table, at + 8) == 0 && le_u64(table, at + 16) == 0 {
             // An entry with nothing in flight can be reused.
             free = Some(at);
         }
@@ -100,25 +129,35 @@ fn load_find(table: &[u8], id: LoadId) -> Option<(usize, bool)> {
     free.map(|at| (at, false))
 }
 
-/// Adds `requests` and `prefill_tokens` (negative to release) to `id`'s load in `table`
-/// (made with `capacity` entries when empty), saturating at zero. Expired counts restart
-/// from zero. Returns `false` when the table is full of busy entries.
+/// A change to one entry: signed deltas (negative to release).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadDelta {
+    /// Requests.
+    pub requests: i32,
+    /// Prefill tokens.
+    pub prefill_tokens: i64,
+    /// Decode tokens.
+    pub decode_tokens: i64,
+}
+
+/// Adds `delta` to `id`'s load in `table` (made with `capacity` entries when empty),
+/// saturating at zero. Expired counts restart from zero. Returns `false` when the table is
+/// full of busy entries.
 pub fn load_add(
     table: &mut Vec<u8>,
     capacity: u32,
     id: LoadId,
-    requests: i32,
-    prefill_tokens: i64,
+    delta: LoadDelta,
     now_ms: u64,
     ttl_ms: u64,
 ) -> bool {
     let cap = capacity.max(1) as usize;
-    if table.first() != Some(&LAYOUT_VERSION)
+    if table.first() != Some(&LOAD_FORMAT)
         || !(table.len() - 1).is_multiple_of(LOAD_ENTRY)
         || (table.len() - 1) / LOAD_ENTRY != cap
     {
         table.clear();
-        table.push(LAYOUT_VERSION);
+        table.push(LOAD_FORMAT);
         table.resize(1 + cap * LOAD_ENTRY, 0);
     }
     let Some((at, found)) = load_find(table, id) else {
@@ -129,29 +168,58 @@ pub fn load_add(
     } else {
         Load::default()
     };
-    let req = (cur.requests as i64 + requests as i64).clamp(0, u32::MAX as i64) as u32;
-    let pre = (cur.prefill_tokens as i64 + prefill_tokens).clamp(0, u32::MAX as i64) as u32;
+    let clamp = |cur: u32, d: i64| (cur as i64).saturating_add(d).clamp(0, u32::MAX as i64) as u32;
+    let req = clamp(cur.requests, delta.requests as i64);
+    let pre = clamp(cur.prefill_tokens, delta.prefill_tokens);
+    let dec = clamp(cur.decode_tokens, delta.decode_tokens);
+    write_entry(
+        table,
+        at,
+        id,
+        Load {
+            requests: req,
+            prefill_tokens: pre,
+            decode_tokens: dec,
+        },
+        now_ms,
+    )
+}
+
+fn write_entry(table: &mut [u8], at: usize, id: LoadId, l: Load, now_ms: u64) -> bool {
     let Some(e) = table.get_mut(at..at + LOAD_ENTRY) else {
         return false;
     };
     e[..8].copy_from_slice(&id.0.to_le_bytes());
-    e[8..16].copy_from_slice(&((req as u64) | (pre as u64) << 32).to_le_bytes());
-    e[16..24].copy_from_slice(&now_ms.to_le_bytes());
+    let counts = (l.requests as u64) | (l.prefill_tokens as u64) << 32;
+    e[8..16].copy_from_slice(&counts.to_le_bytes());
+    e[16..24].copy_from_slice(&(l.decode_tokens as u64).to_le_bytes());
+    e[24..32].copy_from_slice(&now_ms.to_le_bytes());
     true
+}
+
+/// Clears `id`'s counts when its entry was last changed before `older_than_ms`: the engine
+/// says it is idle while the books still hold requests, which leaked (a lost `on_log`).
+/// A change after that instant is a request booked since, which the engine may not have
+/// seen yet. Returns whether anything was cleared.
+pub fn load_clear_stale(table: &mut [u8], id: LoadId, older_than_ms: u64) -> bool {
+    match load_find(table, id) {
+        Some((at, true)) if le_u64(table, at + 24) < older_than_ms => {
+            write_entry(table, at, id, Load::default(), older_than_ms)
+        }
+        _ => false,
+    }
 }
 
 /// [`load_add`] on the shared load key, with CAS retries.
 ///
 /// # Errors
 /// A host failure, or [`StoreError::CasMismatch`] after [`CAS_RETRIES`] lost races.
-#[allow(clippy::too_many_arguments)]
 pub fn load_update<S: Store>(
     store: &S,
     keys: &Keys,
     capacity: u32,
     id: LoadId,
-    requests: i32,
-    prefill_tokens: i64,
+    delta: LoadDelta,
     now_ms: u64,
     ttl_ms: u64,
 ) -> Result<bool, StoreError> {
@@ -159,15 +227,7 @@ pub fn load_update<S: Store>(
     for _ in 0..CAS_RETRIES {
         let (value, cas) = store.get(&key)?;
         let mut table = value.unwrap_or_default();
-        if !load_add(
-            &mut table,
-            capacity,
-            id,
-            requests,
-            prefill_tokens,
-            now_ms,
-            ttl_ms,
-        ) {
+        if !load_add(&mut table, capacity, id, delta, now_ms, ttl_ms) {
             return Ok(false);
         }
         match store.set(&key, &table, cas) {

@@ -272,7 +272,7 @@ impl Meta {
                 self.aliases.push(a);
                 true
             }
-            Op::Blocks { .. } => false,
+            Op::Blocks { .. } | Op::Load { .. } => false,
         }
     }
 }

@@ -296,37 +296,140 @@ fn lease_is_exclusive_until_it_lapses() {
     assert_eq!(next_vm_id(&store, &keys), Ok(2));
 }
 
+fn delta(requests: i32, prefill_tokens: i64, decode_tokens: i64) -> LoadDelta {
+    LoadDelta {
+        requests,
+        prefill_tokens,
+        decode_tokens,
+    }
+}
+
+fn counts(requests: u32, prefill_tokens: u32, decode_tokens: u32) -> Load {
+    Load {
+        requests,
+        prefill_tokens,
+        decode_tokens,
+    }
+}
+
 #[test]
 fn load_counts_saturate_and_expire() {
     let store = MemStore::new();
     let keys = Keys::new("t");
-    load_update(&store, &keys, 8, LoadId::slot(2), 1, 100, 0, 1000).unwrap();
-    load_update(&store, &keys, 8, LoadId::slot(2), 1, 50, 10, 1000).unwrap();
-    load_update(&store, &keys, 8, LoadId::slot(10), 1, 5, 10, 1000).unwrap();
+    load_update(
+        &store,
+        &keys,
+        8,
+        LoadId::slot(2),
+        delta(1, 100, 256),
+        0,
+        1000,
+    )
+    .unwrap();
+    load_update(
+        &store,
+        &keys,
+        8,
+        LoadId::slot(2),
+        delta(1, 50, 16),
+        10,
+        1000,
+    )
+    .unwrap();
+    load_update(&store, &keys, 8, LoadId::slot(10), delta(1, 5, 0), 10, 1000).unwrap();
     let t = store.get(&keys.load()).unwrap().0.unwrap();
-    assert_eq!(
-        load_get(&t, LoadId::slot(2), 20, 1000),
-        Load {
-            requests: 2,
-            prefill_tokens: 150
-        }
-    );
-    assert_eq!(
-        load_get(&t, LoadId::slot(10), 20, 1000),
-        Load {
-            requests: 1,
-            prefill_tokens: 5
-        }
-    );
+    assert_eq!(load_get(&t, LoadId::slot(2), 20, 1000), counts(2, 150, 272));
+    assert_eq!(load_get(&t, LoadId::slot(10), 20, 1000), counts(1, 5, 0));
     assert_eq!(
         load_get(&t, LoadId::slot(2), 2000, 1000),
         Load::default(),
         "expired"
     );
-    load_update(&store, &keys, 8, LoadId::slot(2), -5, -1000, 30, 1000).unwrap();
+    let mut live = load_entries(&t, 20, 1000);
+    live.sort_by_key(|e| e.0.get());
+    assert_eq!(
+        live.iter()
+            .map(|e| (e.0.as_slot(), e.1))
+            .collect::<Vec<_>>(),
+        [(Some(2), counts(2, 150, 272)), (Some(10), counts(1, 5, 0))]
+    );
+    // Prefill released alone (first response bytes): decode stays booked.
+    load_update(
+        &store,
+        &keys,
+        8,
+        LoadId::slot(2),
+        delta(0, -100, 0),
+        30,
+        1000,
+    )
+    .unwrap();
+    let t = store.get(&keys.load()).unwrap().0.unwrap();
+    assert_eq!(load_get(&t, LoadId::slot(2), 30, 1000), counts(2, 50, 272));
+    load_update(
+        &store,
+        &keys,
+        8,
+        LoadId::slot(2),
+        delta(-5, -1000, -1000),
+        30,
+        1000,
+    )
+    .unwrap();
     let t = store.get(&keys.load()).unwrap().0.unwrap();
     assert_eq!(load_get(&t, LoadId::slot(2), 30, 1000), Load::default());
-    assert_eq!(t.len(), 1 + 8 * 24, "eight entries of 24 bytes");
+    assert_eq!(t.len(), 1 + 8 * 32, "eight entries of 32 bytes");
+    assert_eq!(LoadId::instance("x").as_slot(), None);
+}
+
+#[test]
+fn an_old_load_table_is_rebuilt_not_misread() {
+    // A table of the previous layout (24-byte entries, first byte LAYOUT_VERSION).
+    let mut old = vec![LAYOUT_VERSION];
+    old.resize(1 + 8 * 24, 0xff);
+    assert_eq!(load_get(&old, LoadId::slot(1), 0, 1000), Load::default());
+    assert!(load_entries(&old, 0, 1000).is_empty());
+    assert!(load_add(
+        &mut old,
+        8,
+        LoadId::slot(1),
+        delta(1, 2, 3),
+        0,
+        1000
+    ));
+    assert_eq!(load_get(&old, LoadId::slot(1), 0, 1000), counts(1, 2, 3));
+}
+
+#[test]
+fn leaked_counts_are_cleared_only_when_older_than_the_cut() {
+    let mut t = Vec::new();
+    assert!(load_add(
+        &mut t,
+        8,
+        LoadId::slot(1),
+        delta(2, 10, 10),
+        100,
+        10_000
+    ));
+    assert!(load_add(
+        &mut t,
+        8,
+        LoadId::slot(2),
+        delta(1, 10, 10),
+        900,
+        10_000
+    ));
+    assert!(load_clear_stale(&mut t, LoadId::slot(1), 500));
+    assert!(
+        !load_clear_stale(&mut t, LoadId::slot(2), 500),
+        "booked after the cut"
+    );
+    assert!(!load_clear_stale(&mut t, LoadId::slot(3), 500), "absent");
+    assert_eq!(load_get(&t, LoadId::slot(1), 1000, 10_000), Load::default());
+    assert_eq!(
+        load_get(&t, LoadId::slot(2), 1000, 10_000),
+        counts(1, 10, 10)
+    );
 }
 
 #[test]
@@ -384,7 +487,7 @@ fn churning_a_million_blocks_keeps_the_keyspace_fixed() {
         )
         .unwrap();
     }
-    let fixed = 4 + 2 * (1 + l.buckets() as usize);
+    let fixed = 7 + 2 * (1 + l.buckets() as usize);
     assert!(seen_max <= fixed, "{seen_max} keys > {fixed}");
     assert!(store.key_count() <= fixed);
     assert!(base <= store.key_count());
@@ -482,4 +585,70 @@ fn view_walk_reads_grow_with_log_depth() {
     assert_eq!(m[0].blocks, [4096, 4096, 4096]);
     assert_eq!(m[1].blocks, [0, 1000, 1000]);
     assert!(view.reads() <= 40, "{} reads", view.reads());
+}
+
+#[test]
+fn the_fleet_value_round_trips_and_takes_pages_as_the_whole_picture() {
+    use crate::feed::EngineSample;
+    let c = |requests, prefill_tokens, decode_tokens| Counts {
+        requests,
+        prefill_tokens,
+        decode_tokens,
+    };
+    let load = |w: u32, n: u64, engine: Option<EngineSample>| Op::Load {
+        worker: WorkerId(w),
+        requests: n,
+        prefill_tokens: n * 100,
+        decode_tokens: n * 10,
+        engine,
+    };
+    let idle = EngineSample {
+        kv_permille: 120,
+        age_ms: 40,
+        ..EngineSample::default()
+    };
+    let mut f = Fleet::default();
+    assert!(
+        !f.apply_ops(&[Op::WorkerGone { id: WorkerId(0) }], 8, 5),
+        "no Load op"
+    );
+    assert!(f.apply_ops(&[load(1, 3, Some(idle)), load(9, 1, None)], 8, 10));
+    assert_eq!(f.workers.len(), 2, "slot 9 is past max_workers");
+    assert_eq!(f.worker(1).total, c(3, 300, 30));
+    assert_eq!(f.worker(1).idle_samples, 1);
+    f.set_reported(&[(1, c(1, 100, 10)), (0, c(2, 0, 0))], 8);
+    // The same scrape on the next page (10 ms later, 10 ms older): not a second sample.
+    let later = EngineSample { age_ms: 50, ..idle };
+    assert!(f.apply_ops(&[load(1, 3, Some(later))], 8, 20));
+    assert_eq!(f.worker(1).idle_samples, 1);
+    assert!(f.apply_ops(&[load(1, 4, Some(idle))], 8, 200));
+    let w = f.worker(1);
+    assert_eq!(
+        (w.total, w.reported, w.idle_samples),
+        (c(4, 400, 40), c(1, 100, 10), 2)
+    );
+    assert_eq!(f.worker(0).total, Counts::default(), "not named: none");
+    assert_eq!(f.worker(0).reported, c(2, 0, 0), "own reports are kept");
+    // A busy or stale sample resets the idle streak.
+    let stale = EngineSample {
+        stale: true,
+        ..idle
+    };
+    assert!(f.apply_ops(&[load(1, 4, Some(stale))], 8, 300));
+    assert_eq!(f.worker(1).idle_samples, 0);
+    let back = Fleet::decode(&f.encode());
+    assert_eq!(back, f);
+    assert_eq!(back.received_ms, 300);
+    assert_eq!(Fleet::decode(&[1, 2, 3]), Fleet::default());
+    let mut cut = f.encode();
+    cut.pop();
+    assert_eq!(Fleet::decode(&cut), Fleet::default());
+    let store = MemStore::new();
+    let keys = Keys::new("t");
+    update_fleet(&store, &keys, |x| {
+        *x = f.clone();
+        true
+    })
+    .unwrap();
+    assert_eq!(read_fleet(&store, &keys), f);
 }

@@ -135,6 +135,12 @@ impl<'a, S: Store> PrefixView<'a, S> {
         self.seqs.into_inner().0
     }
 
+    /// The block key of the prompt's first `depth + 1` blocks (what the speculative table
+    /// stores), extending the chain as needed.
+    pub fn key_at(&self, depth: Depth) -> Option<crate::scope::BlockKey> {
+        self.seq_at(depth).map(|s| self.scope.key(s))
+    }
+
     /// The sequence hash at `depth`, extending the chain as needed.
     fn seq_at(&self, depth: Depth) -> Option<SeqHash> {
         let mut guard = self.seqs.try_borrow_mut().ok()?;

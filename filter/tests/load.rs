@@ -1,0 +1,195 @@
+//! Fleet-wide load and speculative holders: the lease holder's `/v1/load` reports, the fleet
+//! totals and engine samples of the feed steering cold requests, and speculative entries.
+
+use kvroute::event::WorkerId;
+use kvroute::feed::{EngineSample, Op};
+use serde_json::json;
+
+use crate::common::*;
+
+fn setup(extra: serde_json::Value) -> (kvroute_host_test::Gateway, FakeCollector) {
+    let feed = FakeCollector::new();
+    two_instances(&feed);
+    let mut gw = gateway(&config(extra), 1);
+    feed.attach(&mut gw);
+    sync(&mut gw);
+    (gw, feed)
+}
+
+fn fleet(worker: u32, requests: u64, prefill_tokens: u64, engine: Option<EngineSample>) -> Op {
+    Op::Load {
+        worker: WorkerId(worker),
+        requests,
+        prefill_tokens,
+        decode_tokens: 0,
+        engine,
+    }
+}
+
+fn hold(gw: &mut kvroute_host_test::Gateway, start: u32) -> (kvroute_host_test::RequestId, String) {
+    let r = gw
+        .request()
+        .json_body(&json!({"model": "m", "prompt": tokens(start, 64), "max_tokens": 10}))
+        .hold_response()
+        .start();
+    let to = best(&gw.outcome(r)).unwrap_or("none").to_owned();
+    (r, to)
+}
+
+#[test]
+fn the_lease_holder_reports_absolute_counts() {
+    let (mut gw, feed) = setup(json!({"load": {"gateway_id": "gw-1"}}));
+    let (r1, to1) = hold(&mut gw, 1000);
+    let (r2, to2) = hold(&mut gw, 2000);
+    assert_ne!(to1, to2, "spread by load");
+    sync(&mut gw);
+    let last = feed.reports().last().cloned().expect("a report");
+    assert_eq!(last["gateway"], "gw-1");
+    assert_eq!(last["epoch"], 1);
+    let mut workers = last["workers"].as_array().cloned().unwrap_or_default();
+    workers.sort_by_key(|w| w["worker"].as_u64());
+    assert_eq!(
+        workers,
+        [
+            json!({"worker": 0, "requests": 1, "prefill_tokens": 64, "decode_tokens": 10}),
+            json!({"worker": 1, "requests": 1, "prefill_tokens": 64, "decode_tokens": 10}),
+        ]
+    );
+    // Absolute, not deltas: the same again on the next tick; nothing once they end.
+    sync(&mut gw);
+    assert_eq!(
+        feed.reports().last().map(|r| r["workers"].clone()),
+        Some(last["workers"].clone())
+    );
+    gw.respond(r1, kvroute_host_test::Response::ok("x"));
+    gw.respond(r2, kvroute_host_test::Response::ok("x"));
+    sync(&mut gw);
+    assert_eq!(
+        feed.reports().last().map(|r| r["workers"].clone()),
+        Some(json!([]))
+    );
+    assert!(gw.metric("kvroute.load_reports").unwrap_or(0) >= 3);
+}
+
+#[test]
+fn the_default_gateway_id_is_made_once() {
+    let (mut gw, feed) = setup(json!({}));
+    sync(&mut gw);
+    sync(&mut gw);
+    let ids: Vec<String> = feed
+        .reports()
+        .iter()
+        .filter_map(|r| r["gateway"].as_str().map(str::to_owned))
+        .collect();
+    assert!(ids.len() >= 2, "{ids:?}");
+    assert!(ids[0].starts_with("envoy-"), "{ids:?}");
+    assert!(ids.iter().all(|i| *i == ids[0]), "{ids:?}");
+}
+
+#[test]
+fn no_reports_without_fleet_mode() {
+    let (mut gw, feed) = setup(json!({"load": {"fleet": false}}));
+    sync(&mut gw);
+    assert!(feed.reports().is_empty());
+}
+
+#[test]
+fn fleet_totals_steer_a_cold_request_away_from_a_busy_engine() {
+    for fleet_on in [true, false] {
+        let (mut gw, feed) = setup(json!({"load": {"fleet": fleet_on}}));
+        // This gateway has one request on one engine; other gateways have ten on the other.
+        let (_r, on) = hold(&mut gw, 1000);
+        let other = if on == A { 1 } else { 0 };
+        feed.set_fleet(vec![fleet(other, 10, 5000, None)]);
+        sync(&mut gw);
+        let (_r2, to) = hold(&mut gw, 3000);
+        // With the fleet's totals the other engine is the busy one; without, it looks idle.
+        assert_eq!(to == on, fleet_on, "fleet {fleet_on}");
+    }
+}
+
+#[test]
+fn a_saturated_engine_gets_no_cold_request_and_stale_samples_are_ignored() {
+    let full = EngineSample {
+        waiting: 9,
+        running: 4,
+        kv_permille: 500,
+        age_ms: 100,
+        stale: false,
+    };
+    for (sample, saturated) in [
+        (full, true),
+        (
+            EngineSample {
+                waiting: 0,
+                kv_permille: 990,
+                ..full
+            },
+            true,
+        ),
+        (
+            EngineSample {
+                stale: true,
+                ..full
+            },
+            false,
+        ),
+        (
+            EngineSample {
+                age_ms: 60_000,
+                ..full
+            },
+            false,
+        ),
+        (
+            EngineSample {
+                waiting: 7,
+                kv_permille: 970,
+                ..full
+            },
+            false,
+        ),
+    ] {
+        let (mut gw, feed) = setup(json!({}));
+        // This gateway has a request on one engine; the other, idle by the books, reports a
+        // sample.
+        let (_r, on) = hold(&mut gw, 1000);
+        let other = if on == A { 1 } else { 0 };
+        feed.set_fleet(vec![fleet(other, 0, 0, Some(sample))]);
+        sync(&mut gw);
+        let (_r2, to) = hold(&mut gw, 3000);
+        assert_eq!(to == on, saturated, "{sample:?}");
+    }
+}
+
+#[test]
+fn a_speculative_entry_routes_a_sibling_until_it_expires() {
+    let (mut gw, _feed) = setup(json!({}));
+    let prompt = tokens(5000, 160);
+    let (r1, first) = hold(&mut gw, 5000);
+    gw.respond(r1, kvroute_host_test::Response::ok("x"));
+    // Sibling: the first 64 tokens shared (stored depths 1, 2, 4), then its own.
+    let mut sibling = prompt[..64].to_vec();
+    sibling.extend(tokens(90_000, 64));
+    let o = complete(&mut gw, "m", &sibling);
+    assert_eq!(best(&o).unwrap_or(""), first, "{}", debug(&o));
+    assert!(debug(&o).contains("matched_tokens=64"), "{}", debug(&o));
+    // Past the TTL (2 s) the entries are gone: cold.
+    for _ in 0..25 {
+        sync(&mut gw);
+    }
+    let mut cousin = prompt[..64].to_vec();
+    cousin.extend(tokens(95_000, 64));
+    let o = complete(&mut gw, "m", &cousin);
+    assert!(debug(&o).contains("matched_tokens=0"), "{}", debug(&o));
+    assert!(debug(&o).contains("routed_cold"), "{}", debug(&o));
+}
+
+#[test]
+fn speculative_entries_can_be_turned_off() {
+    let (mut gw, _feed) = setup(json!({"route": {"speculative_ttl_ms": 0}}));
+    let (r1, _) = hold(&mut gw, 5000);
+    gw.respond(r1, kvroute_host_test::Response::ok("x"));
+    let o = complete(&mut gw, "m", &tokens(5000, 64));
+    assert!(debug(&o).contains("matched_tokens=0"), "{}", debug(&o));
+}

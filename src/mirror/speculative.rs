@@ -1,0 +1,177 @@
+//! Speculative block holders: after a decision the chosen worker is taken to hold the
+//! request's blocks for a short time-to-live, so siblings that arrive before the engine's KV
+//! events reach the mirror follow it (vllm-router and Dynamo do the same).
+//!
+//! Bounded: one shared-data value of fixed capacity. A request stores its block keys at a few
+//! depths only ([`stored_depths`]: powers of two and the last full block), not every block; a
+//! sibling's speculative match is the deepest stored depth whose key it shares. An insert
+//! probes [`PROBE`] entries from `key % capacity` and takes the same key, a free or expired
+//! entry, or else evicts the entry that expires first (counted by the caller).
+//!
+//! # Layout
+//! `format u8`, then `capacity × (key u64, slot u32, blocks u32, expires_ms u64)`; key 0 is a
+//! free entry.
+
+use crate::codec::le_u64;
+use crate::scope::BlockKey;
+
+use super::keys::LAYOUT_VERSION;
+
+const ENTRY: usize = 24;
+/// Entries an insert or lookup probes.
+pub const PROBE: usize = 8;
+const FORMAT: u8 = LAYOUT_VERSION | 0x40;
+
+/// The depths (in blocks, 1-based) a prompt of `blocks` full blocks is stored at, ascending:
+/// 1, 2, 4, ... up to `blocks`, and `blocks` itself.
+pub fn stored_depths(blocks: u32) -> impl Iterator<Item = u32> {
+    let pow = (0..32).map(|i| 1u32 << i).take_while(move |d| *d <= blocks);
+    let last = (blocks > 0 && !blocks.is_power_of_two()).then_some(blocks);
+    pow.chain(last)
+}
+
+fn capacity(table: &[u8]) -> usize {
+    if table.first() != Some(&FORMAT) || !(table.len() - 1).is_multiple_of(ENTRY) {
+        return 0;
+    }
+    (table.len() - 1) / ENTRY
+}
+
+fn read_u32(b: &[u8], at: usize) -> u32 {
+    b.get(at..at + 4)
+        .map_or(0, |s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+}
+
+/// What an insert did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Insert {
+    /// Stored in a free, expired or same-key entry.
+    Stored,
+    /// Stored over a live entry of another key.
+    Evicted,
+}
+
+/// Records that `slot` holds `blocks` leading blocks whose last key is `key`, until
+/// `now_ms + ttl_ms`. `table` is (re)made with `cap` entries when it has another shape.
+pub fn spec_insert(
+    table: &mut Vec<u8>,
+    cap: u32,
+    key: BlockKey,
+    slot: u32,
+    blocks: u32,
+    now_ms: u64,
+    ttl_ms: u64,
+) -> Insert {
+    let want = cap.max(1) as usize;
+    if capacity(table) != want {
+        table.clear();
+        table.push(FORMAT);
+        table.resize(1 + want * ENTRY, 0);
+    }
+    // Key 0 marks a free entry; a real key of 0 is stored as 1 (a rare, harmless alias).
+    let k = key.0.max(1);
+    let start = (k % want as u64) as usize;
+    let mut victim: Option<(usize, u64)> = None;
+    let mut at = None;
+    for p in 0..PROBE.min(want) {
+        let e = 1 + ((start + p) % want) * ENTRY;
+        let (ek, expires) = (le_u64(table, e), le_u64(table, e + 16));
+        if ek == k || ek == 0 || expires <= now_ms {
+            at = Some(e);
+            break;
+        }
+        if victim.is_none_or(|(_, v)| expires < v) {
+            victim = Some((e, expires));
+        }
+    }
+    let (e, result) = match (at, victim) {
+        (Some(e), _) => (e, Insert::Stored),
+        (None, Some((e, _))) => (e, Insert::Evicted),
+        (None, None) => return Insert::Evicted,
+    };
+    if let Some(entry) = table.get_mut(e..e + ENTRY) {
+        entry[..8].copy_from_slice(&k.to_le_bytes());
+        entry[8..12].copy_from_slice(&slot.to_le_bytes());
+        entry[12..16].copy_from_slice(&blocks.to_le_bytes());
+        entry[16..24].copy_from_slice(&now_ms.saturating_add(ttl_ms).to_le_bytes());
+    }
+    result
+}
+
+/// The live holder of `key`: `(slot, blocks)`.
+pub fn spec_lookup(table: &[u8], key: BlockKey, now_ms: u64) -> Option<(u32, u32)> {
+    let cap = capacity(table);
+    if cap == 0 {
+        return None;
+    }
+    let k = key.0.max(1);
+    let start = (k % cap as u64) as usize;
+    for p in 0..PROBE.min(cap) {
+        let e = 1 + ((start + p) % cap) * ENTRY;
+        if le_u64(table, e) == k {
+            return (le_u64(table, e + 16) > now_ms)
+                .then(|| (read_u32(table, e + 8), read_u32(table, e + 12)));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn depths_are_powers_of_two_and_the_last_block() {
+        assert_eq!(stored_depths(0).collect::<Vec<_>>(), Vec::<u32>::new());
+        assert_eq!(stored_depths(1).collect::<Vec<_>>(), [1]);
+        assert_eq!(stored_depths(8).collect::<Vec<_>>(), [1, 2, 4, 8]);
+        assert_eq!(stored_depths(11).collect::<Vec<_>>(), [1, 2, 4, 8, 11]);
+    }
+
+    #[test]
+    fn entries_expire_and_the_soonest_to_expire_is_evicted() {
+        let mut t = Vec::new();
+        assert_eq!(
+            spec_insert(&mut t, 4, BlockKey(8), 3, 5, 0, 100),
+            Insert::Stored
+        );
+        assert_eq!(spec_lookup(&t, BlockKey(8), 50), Some((3, 5)));
+        assert_eq!(spec_lookup(&t, BlockKey(8), 100), None, "expired");
+        assert_eq!(spec_lookup(&t, BlockKey(9), 50), None);
+        // Same key: overwritten in place.
+        assert_eq!(
+            spec_insert(&mut t, 4, BlockKey(8), 1, 6, 10, 100),
+            Insert::Stored
+        );
+        assert_eq!(spec_lookup(&t, BlockKey(8), 50), Some((1, 6)));
+        // Fill the other three, then a fifth key evicts the one expiring first (key 8, at 110).
+        for (i, k) in [1u64, 2, 3].into_iter().enumerate() {
+            let r = spec_insert(&mut t, 4, BlockKey(k), 0, 1, 20 + i as u64, 100);
+            assert_eq!(r, Insert::Stored);
+        }
+        assert_eq!(
+            spec_insert(&mut t, 4, BlockKey(5), 2, 2, 30, 100),
+            Insert::Evicted
+        );
+        assert_eq!(spec_lookup(&t, BlockKey(8), 50), None);
+        assert_eq!(spec_lookup(&t, BlockKey(5), 50), Some((2, 2)));
+        assert_eq!(t.len(), 1 + 4 * ENTRY, "fixed size");
+        // After everything expired, inserts reuse entries without evicting.
+        assert_eq!(
+            spec_insert(&mut t, 4, BlockKey(77), 0, 1, 1000, 100),
+            Insert::Stored
+        );
+    }
+
+    #[test]
+    fn garbage_reads_as_empty() {
+        assert_eq!(spec_lookup(&[FORMAT, 1, 2], BlockKey(1), 0), None);
+        assert_eq!(spec_lookup(&[], BlockKey(1), 0), None);
+        let mut t = vec![9u8; 7];
+        assert_eq!(
+            spec_insert(&mut t, 2, BlockKey(1), 0, 1, 0, 10),
+            Insert::Stored
+        );
+        assert_eq!(spec_lookup(&t, BlockKey(1), 5), Some((0, 1)));
+    }
+}
