@@ -205,7 +205,7 @@ async fn soak(args: SoakArgs) -> anyhow::Result<()> {
         tasks.push(tokio::spawn(engine(
             p,
             args.clone(),
-            args.seed ^ (e as u64 + 1) * 0x9e37_79b9,
+            args.seed ^ ((e as u64 + 1) * 0x9e37_79b9),
             tally.clone(),
             stop.clone(),
         )));

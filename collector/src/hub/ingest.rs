@@ -141,7 +141,7 @@ fn into_pieces(e: KvEvent, piece: usize, out: &mut VecDeque<KvEvent>) {
                     break;
                 };
                 out.push_back(KvEvent::BlockStored {
-                    parent: std::mem::replace(&mut parent, Some(last)),
+                    parent: parent.replace(last),
                     blocks: head,
                     tier,
                     lora_name: lora_name.clone(),
