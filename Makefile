@@ -17,7 +17,7 @@ FIXTURES   := $(foreach f,$(wildcard host-test/fixtures/*/Cargo.toml),-p $(shell
 
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all setup wasm native lint layout test test-rust test-e2e bench bench-routing bench-collector bench-latency demo clean
+.PHONY: all setup wasm native lint layout test test-rust test-e2e bench bench-routing bench-collector bench-ingest-stall bench-soak bench-latency demo clean
 
 all: wasm native
 
@@ -81,6 +81,16 @@ bench-routing: wasm
 ## make bench-collector: ingest and /query against Dynamo's indexer (installs it in a venv).
 bench-collector:
 	bash bench/scripts/bench-collector.sh
+
+## make bench-ingest-stall: /query p50/p99/max while one 3.5M-block batch is applied (~1 minute).
+bench-ingest-stall:
+	JOBS=$(JOBS) bash bench/scripts/bench-ingest-stall.sh
+
+## make bench-soak: the collector binary, 64 simulated engines and hostile peers for
+## SOAK_MINUTES (30) minutes; RSS, refusals and liveness in bench-out/soak/.
+SOAK_MINUTES ?= 30
+bench-soak:
+	JOBS=$(JOBS) bash bench/scripts/bench-soak.sh --minutes $(SOAK_MINUTES) --engines 64
 
 bench-latency: wasm native
 	bash envoy-config/bench_latency.sh

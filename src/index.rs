@@ -237,6 +237,28 @@ impl Index {
         held.len() as u64
     }
 
+    /// Makes room for `additional` more blocks of `worker` (arena, holder table and the
+    /// worker's own table), so that storing them rehashes nothing. A table that must grow
+    /// rehashes every entry it holds at once; a caller applying a big batch in slices calls
+    /// this before the first slice, so no slice takes that cost while readers wait.
+    /// Unknown workers reserve nothing.
+    pub fn reserve(&mut self, worker: WorkerId, additional: usize) {
+        let nodes = &self.nodes;
+        let Some(w) = self
+            .workers
+            .get_mut(worker.0 as usize)
+            .and_then(Option::as_mut)
+        else {
+            return;
+        };
+        w.by_engine
+            .reserve(additional, |&n| mix(nodes[n as usize].engine.0));
+        // Freed arena slots are reused before the arena grows.
+        self.nodes
+            .reserve(additional.saturating_sub(self.free.len()));
+        self.holders.table.reserve(additional, |e| mix(e.key.0));
+    }
+
     /// Number of blocks a worker holds.
     pub fn worker_blocks(&self, worker: WorkerId) -> usize {
         self.worker(worker).map_or(0, |w| w.by_engine.len())
@@ -933,4 +955,55 @@ pub struct NodeDump {
     pub seed: u64,
     /// Its tiers (a tier mask).
     pub tiers: u8,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(first: u64, n: usize) -> KvEvent {
+        KvEvent::BlockStored {
+            parent: None,
+            blocks: (0..n as u64)
+                .map(|i| StoredBlock {
+                    hash: EngineHash(first + i),
+                    tokens: vec![(first + i) as u32; 4],
+                })
+                .collect(),
+            tier: Tier::Gpu,
+            lora_name: None,
+            cache_salt: None,
+        }
+    }
+
+    fn capacities(index: &Index, w: WorkerId) -> (usize, usize, usize) {
+        (
+            index.nodes.capacity(),
+            index.holders.table.capacity(),
+            index.worker(w).map_or(0, |w| w.by_engine.capacity()),
+        )
+    }
+
+    #[test]
+    fn reserved_room_takes_the_blocks_without_growing_any_table() {
+        let mut index = Index::new(IndexConfig::default());
+        let (a, b) = (WorkerId(0), WorkerId(1));
+        index.add_worker(a, "t", "m", 4);
+        index.add_worker(b, "t", "m", 4);
+        let mut changes = Vec::new();
+        index.apply(a, &chain(1, 100), &mut changes);
+        index.reserve(b, 50_000);
+        let reserved = capacities(&index, b);
+        assert!(reserved.1 >= 50_100 && reserved.2 >= 50_000, "{reserved:?}");
+        // In pieces, as the slices of a batch go in.
+        for k in 0..10 {
+            index.apply(b, &chain(1_000_000 + k * 5_000, 5_000), &mut changes);
+        }
+        assert_eq!(capacities(&index, b), reserved);
+        assert_eq!(index.worker_blocks(b), 50_000);
+        assert_eq!(index.stats().blocks, 50_100);
+        // Nothing to reserve for a worker the index does not know.
+        index.reserve(WorkerId(7), 1 << 20);
+        assert_eq!(capacities(&index, b), reserved);
+    }
 }

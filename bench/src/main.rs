@@ -1,9 +1,10 @@
 //! `kvroute-bench`: `routing` (the routing comparison, see `bench/scripts/bench-routing.sh`)
-//! and `collector` (the collector benchmarks, see `bench/scripts/bench-collector.sh`).
+//! `collector` (the collector benchmarks, see `bench/scripts/bench-collector.sh`),
+//! `ingest-stall` (`/query` during a huge batch) and `soak` (see `bench/scripts/bench-soak.sh`).
 //! `--help` on each describes its flags.
 
 use clap::{Parser, Subcommand};
-use kvroute_bench::{collector, routing};
+use kvroute_bench::{collector, ingest_stall, routing, soak};
 
 #[derive(Parser)]
 #[command(name = "kvroute-bench", version, about = "kvroute's system benchmarks")]
@@ -19,6 +20,10 @@ enum Cmd {
     Routing(Box<routing::BenchArgs>),
     /// The collector's ingest, /query and memory benchmarks (markdown report on stdout).
     Collector(collector::CollectorArgs),
+    /// /query latency while one huge batch is applied, sliced and not (markdown on stdout).
+    IngestStall(ingest_stall::StallArgs),
+    /// The real collector binary under a steady fleet and hostile peers; RSS over time.
+    Soak(soak::SoakArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -35,6 +40,8 @@ fn main() -> anyhow::Result<()> {
             collector::run(a);
             Ok(())
         }
+        Cmd::IngestStall(a) => ingest_stall::run(a),
+        Cmd::Soak(a) => soak::run(a),
     }
 }
 

@@ -352,6 +352,8 @@ async fn queries_during_a_huge_batch(blocks: usize, slice: usize) -> (Vec<Durati
     (lat, report.slices)
 }
 
+/// Functional only: the latency figures (3.5M blocks, release build) are
+/// `kvroute-bench ingest-stall`'s, a benchmark, not a timed test.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_huge_batch_goes_in_slices_while_queries_keep_answering() {
     let (lat, slices) = queries_during_a_huge_batch(200_000, 8192).await;
@@ -360,26 +362,6 @@ async fn a_huge_batch_goes_in_slices_while_queries_keep_answering() {
     let max = *lat.last().unwrap();
     // Unoptimized build: a slice, not the batch, is the most a query waits.
     assert!(max < Duration::from_secs(2), "a query waited {max:?}");
-}
-
-/// `cargo test --release -p kvroute-collector -- --ignored p99 --nocapture`: the issue's
-/// figure, a 3.5M-block batch.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a 3.5M-block batch: run in release for the p99 figure"]
-async fn p99_of_queries_during_a_3_5m_block_batch() {
-    let start = Instant::now();
-    let (lat, slices) =
-        queries_during_a_huge_batch(3_500_000, Limits::default().slice_blocks).await;
-    let p = |q: f64| lat[((lat.len() - 1) as f64 * q) as usize];
-    println!(
-        "3.5M blocks in {slices} slices, {:?}: {} queries, p50 {:?} p99 {:?} max {:?}",
-        start.elapsed(),
-        lat.len(),
-        p(0.5),
-        p(0.99),
-        lat.last().unwrap()
-    );
-    assert!(p(0.99) <= Duration::from_millis(10), "p99 {:?}", p(0.99));
 }
 
 /// A valid state: one registered worker with a block, as `serde_json::Value` to damage.

@@ -4,8 +4,17 @@
 //! [`Limits::slice_blocks`](super::types::Limits) blocks of it per call, so the caller can
 //! release the lock between calls and let queries and other engines through. What happened is
 //! returned in the job's [`IngestReport`]: the caller counts it (metrics are not the hub's job).
+//!
+//! What a slice costs a waiting reader was measured with `kvroute-bench ingest-stall` (one
+//! 3.5M-block batch): the hash tables' growth (one slice rehashing millions of entries, up to
+//! 235 ms), cutting a slice off the front of one huge event (a memmove of the whole rest,
+//! ~5 ms a slice) and the blocks themselves (~1 µs each on a busy 2-core machine, so 8 ms for
+//! 8,192). Hence: the index makes room before the first slice, big events are cut into
+//! [`PIECE_BLOCKS`] pieces when the job is made (outside the lock), and a slice also ends
+//! once it has held the lock for [`SLICE_TIME`].
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use kvroute::event::{KvEvent, WorkerId};
 use kvroute::index::ApplyStats;
@@ -14,6 +23,14 @@ use super::store::Hub;
 use super::types::{Limit, LimitCounts};
 use crate::chunk::{ChunkStats, Chunker};
 use crate::decode::{Batch, DecodeStats};
+
+/// Most blocks (or hashes) of one event applied in one go: a bigger event is cut into pieces
+/// of this size when its job is made, so that a slice can stop between pieces.
+pub const PIECE_BLOCKS: usize = 512;
+
+/// Longest a slice keeps applying pieces: it stops at the first piece boundary past this, or
+/// at `slice_blocks` blocks, whichever comes first.
+pub const SLICE_TIME: Duration = Duration::from_millis(2);
 
 /// Event type names, indexing [`IngestReport::events`].
 pub const EVENT_TYPES: [&str; 3] = ["BlockStored", "BlockRemoved", "AllBlocksCleared"];
@@ -48,6 +65,8 @@ pub struct IngestJob {
     source_gen: Option<u64>,
     target: Option<(WorkerId, u64)>,
     done: bool,
+    /// Whether the index has made room for the batch (see `Hub::reserve_for`).
+    reserved: bool,
     pub report: IngestReport,
 }
 
@@ -60,14 +79,19 @@ impl IngestJob {
         for e in &batch.events {
             report.events[event_type(e)] += 1;
         }
+        let mut events = VecDeque::with_capacity(batch.events.len());
+        for e in batch.events {
+            into_pieces(e, PIECE_BLOCKS, &mut events);
+        }
         IngestJob {
             source,
             seq,
             dp_rank: batch.dp_rank,
-            events: batch.events.into(),
+            events,
             source_gen: None,
             target: None,
             done: false,
+            reserved: false,
             report,
         }
     }
@@ -91,6 +115,49 @@ fn weight(e: &KvEvent) -> usize {
         KvEvent::BlockStored { blocks, .. } => blocks.len(),
         KvEvent::BlockRemoved { hashes, .. } => hashes.len(),
         KvEvent::AllBlocksCleared => 1,
+    }
+}
+
+/// Appends `e` to `out` in pieces of at most `piece` blocks (or hashes), each store chained
+/// below the previous piece's last block, so applying them in order equals applying `e`.
+/// Linear in the event's size, where cutting pieces off its front one by one is quadratic.
+fn into_pieces(e: KvEvent, piece: usize, out: &mut VecDeque<KvEvent>) {
+    if weight(&e) <= piece {
+        out.push_back(e);
+        return;
+    }
+    match e {
+        KvEvent::BlockStored {
+            mut parent,
+            blocks,
+            tier,
+            lora_name,
+            cache_salt,
+        } => {
+            let mut rest = blocks.into_iter();
+            loop {
+                let head: Vec<_> = rest.by_ref().take(piece).collect();
+                let Some(last) = head.last().map(|b| b.hash) else {
+                    break;
+                };
+                out.push_back(KvEvent::BlockStored {
+                    parent: parent.replace(last),
+                    blocks: head,
+                    tier,
+                    lora_name: lora_name.clone(),
+                    cache_salt: cache_salt.clone(),
+                });
+            }
+        }
+        KvEvent::BlockRemoved { hashes, tier } => {
+            for h in hashes.chunks(piece) {
+                out.push_back(KvEvent::BlockRemoved {
+                    hashes: h.to_vec(),
+                    tier,
+                });
+            }
+        }
+        KvEvent::AllBlocksCleared => out.push_back(KvEvent::AllBlocksCleared),
     }
 }
 
@@ -147,6 +214,10 @@ impl Hub {
         };
         let max = self.config.limits.slice_blocks.max(1);
         let budget = self.config.max_blocks_per_worker;
+        if !job.reserved {
+            job.reserved = true;
+            self.reserve_for(job, worker, max, budget);
+        }
         // Blocks the registration's other dp ranks hold: they share one budget with `worker`.
         let family = self.family(job.source);
         let siblings = family.len() > 1;
@@ -157,6 +228,7 @@ impl Hub {
             .sum();
         let mut pages = self.pending_pages();
         let mut used = 0;
+        let started = Instant::now();
         while let Some(mut event) = job.events.pop_front() {
             let w = weight(&event);
             let room = max - used;
@@ -182,7 +254,7 @@ impl Hub {
                 siblings.then_some(others),
                 budget,
             );
-            if used >= max {
+            if used >= max || started.elapsed() >= SLICE_TIME {
                 break;
             }
         }
@@ -191,6 +263,25 @@ impl Hub {
             job.done = true;
         }
         job.done
+    }
+
+    /// Before the first slice of a batch bigger than one slice: room in the index for the
+    /// blocks it stores (within the worker's budget). Growing a hash table rehashes all it
+    /// holds in one go; measured on a 3.5M-block batch (`kvroute-bench ingest-stall`), the
+    /// slices that crossed a table's 7/8 load held the lock 100 to 235 ms, against ~8 ms for
+    /// the others. Reserved up front, the index never grows mid-batch.
+    fn reserve_for(&mut self, job: &IngestJob, worker: WorkerId, slice: usize, budget: usize) {
+        let stores: usize = job
+            .events
+            .iter()
+            .filter(|e| matches!(e, KvEvent::BlockStored { .. }))
+            .map(weight)
+            .sum();
+        if stores <= slice {
+            return;
+        }
+        let room = budget.saturating_sub(self.index.worker_blocks(worker));
+        self.index.reserve(worker, stores.min(room));
     }
 
     /// Checks the job's workers are still the ones it started with (resolving the target on
@@ -328,5 +419,57 @@ impl Hub {
                 w.status.orphans += orphans;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute::event::{EngineHash, StoredBlock, Tier};
+
+    use super::*;
+
+    #[test]
+    fn big_events_become_chained_pieces_in_order() {
+        let store = KvEvent::BlockStored {
+            parent: Some(EngineHash(7)),
+            blocks: (0..1300)
+                .map(|i| StoredBlock {
+                    hash: EngineHash(100 + i),
+                    tokens: vec![1; 4],
+                })
+                .collect(),
+            tier: Tier::Cpu,
+            lora_name: Some("l".into()),
+            cache_salt: None,
+        };
+        let remove = KvEvent::BlockRemoved {
+            hashes: (0..600).map(EngineHash).collect(),
+            tier: Tier::Gpu,
+        };
+        let mut out = VecDeque::new();
+        into_pieces(store, 512, &mut out);
+        into_pieces(remove, 512, &mut out);
+        into_pieces(KvEvent::AllBlocksCleared, 512, &mut out);
+        let shapes: Vec<(Option<u64>, usize, u64)> = out
+            .iter()
+            .map(|e| match e {
+                KvEvent::BlockStored { parent, blocks, .. } => {
+                    (parent.map(|p| p.0), blocks.len(), blocks[0].hash.0)
+                }
+                KvEvent::BlockRemoved { hashes, .. } => (None, hashes.len(), hashes[0].0),
+                KvEvent::AllBlocksCleared => (None, 0, 0),
+            })
+            .collect();
+        assert_eq!(
+            shapes,
+            [
+                (Some(7), 512, 100),
+                (Some(611), 512, 612),
+                (Some(1123), 276, 1124),
+                (None, 512, 0),
+                (None, 88, 512),
+                (None, 0, 0),
+            ]
+        );
     }
 }
