@@ -261,14 +261,21 @@ impl Shared {
         let mut fleet = self.fleet();
         let mut hub = self.write();
         // `Hub::unregister` names only the registered workers; their dp-rank siblings go too.
-        let before: Vec<WorkerId> = hub.workers().map(|w| w.id).collect();
+        let before: Vec<(WorkerId, String, u32)> = hub
+            .workers()
+            .map(|w| (w.id, w.reg.instance_id.clone(), w.dp_rank()))
+            .collect();
         let removed = hub.unregister(req)?;
-        let gone: Vec<WorkerId> = before
+        let gone: Vec<(WorkerId, String, u32)> = before
             .into_iter()
-            .filter(|id| hub.worker(*id).is_none())
+            .filter(|(id, _, _)| hub.worker(*id).is_none())
             .collect();
         drop(hub);
-        fleet.forget_workers(&gone);
+        let gone_ids: Vec<WorkerId> = gone.iter().map(|(id, _, _)| *id).collect();
+        fleet.forget_workers(&gone_ids);
+        for (_, instance, dp) in &gone {
+            self.metrics.forget_worker(instance, *dp);
+        }
         drop(fleet);
         let mut subs = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
         for id in &removed {

@@ -38,6 +38,9 @@ pub struct ReasonLabels {
     pub reason: &'static str,
 }
 
+/// Every `outcome` label of [`Metrics::replays`].
+pub const REPLAY_OUTCOMES: [&str; 3] = ["ok", "timeout", "error"];
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     pub instance: String,
@@ -136,6 +139,36 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Drops every series labelled with a worker that is gone, so registrations that come and
+    /// go (or an engine's flood of dp ranks) do not grow the registry without end.
+    pub fn forget_worker(&self, instance: &str, dp: u32) {
+        let w = WorkerLabels::new(instance, dp);
+        for family in [
+            &self.batches,
+            &self.decode_errors,
+            &self.gaps,
+            &self.orphans,
+            &self.restarts,
+            &self.zmq_protocol_errors,
+        ] {
+            family.remove(&w);
+        }
+        for outcome in REPLAY_OUTCOMES {
+            self.replays.remove(&OutcomeLabels {
+                instance: w.instance.clone(),
+                dp: w.dp.clone(),
+                outcome,
+            });
+        }
+        for r#type in crate::hub::EVENT_TYPES {
+            self.events.remove(&EventLabels {
+                instance: w.instance.clone(),
+                dp: w.dp.clone(),
+                r#type,
+            });
+        }
+    }
+
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("kvroute");
         let m = Metrics {

@@ -634,6 +634,7 @@ impl Subscriber {
                 "error"
             }
         };
+        debug_assert!(crate::metrics::REPLAY_OUTCOMES.contains(&outcome));
         self.status(|s| s.replays += 1);
         self.shared
             .metrics

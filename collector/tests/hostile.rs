@@ -109,6 +109,10 @@ async fn an_alias_flood_is_capped_counted_and_leaves_with_unregister() {
         "learned aliases leave with their engine"
     );
     assert_eq!(longest(&state.read(), &t, M, None, "good"), 16);
+    // Its metric series go too: registrations that come and go do not grow the registry.
+    let (_, metrics) = get(&state, "/metrics").await;
+    assert!(!metrics.contains("instance=\"bad\""), "{metrics}");
+    assert!(metrics.contains("instance=\"good\""), "{metrics}");
     state.stop_subscribers();
 }
 
