@@ -33,6 +33,3 @@ pub mod mirror;
 pub mod route;
 pub mod scope;
 pub mod select;
-
-/// The mirror's former name, kept so code written against `kvroute::bucket` still builds.
-pub use mirror as bucket;
