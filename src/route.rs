@@ -271,10 +271,7 @@ pub fn decide(
         .filter(|(_, c)| competes(c))
         .map(|(_, c)| c.load.prefill_tokens)
         .min()?;
-    let mut best: Option<(usize, f64)> = None;
-    let mut second: Option<(usize, f64)> = None;
-    let mut ties = 0u64;
-    for (i, c) in eligible().filter(|(_, c)| competes(c)) {
+    let costs = eligible().filter(|(_, c)| competes(c)).map(|(i, c)| {
         let over_guard = policy
             .max_hit_queue_tokens
             .is_some_and(|m| c.load.prefill_tokens - least_queue > m);
@@ -284,37 +281,16 @@ pub fn decide(
             in_flight_requests: c.load.requests,
             in_flight_prefill_tokens: c.load.prefill_tokens,
         };
-        let cost = select::cost(&cand, query.blocks, query.block_size, &policy.weights);
-        match best {
-            Some((_, b)) if cost > b => {
-                if second.is_none_or(|(_, s)| cost < s) {
-                    second = Some((i, cost));
-                }
-            }
-            Some((b_idx, b)) if cost == b => {
-                // Reservoir sampling: each tied contender is kept with equal odds; the one
-                // not kept is the runner-up.
-                ties += 1;
-                if rng.next_u64().is_multiple_of(ties + 1) {
-                    best = Some((i, cost));
-                    second = Some((b_idx, b));
-                } else if second.is_none_or(|(_, s)| cost <= s) {
-                    second = Some((i, cost));
-                }
-            }
-            Some((b_idx, b)) => {
-                second = Some((b_idx, b));
-                best = Some((i, cost));
-                ties = 0;
-            }
-            None => best = Some((i, cost)),
-        }
-    }
-    let (best, _) = best?;
+        (
+            i,
+            select::cost(&cand, query.blocks, query.block_size, &policy.weights),
+        )
+    });
+    let (best, runner_up) = select::rank(costs, rng)?;
     let c = contenders.get(best)?;
     Some(Decision {
         best,
-        runner_up: second.map(|(i, _)| i),
+        runner_up,
         dp_rank: c.dp_rank,
         matched_blocks: c.matched[2],
     })

@@ -131,11 +131,32 @@ pub fn pick(
     if candidates.iter().all(|c| c.matched[2] == 0) {
         return None;
     }
+    let (best, runner_up) = rank(
+        candidates
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (i, cost(c, query_blocks, block_size, weights))),
+        rng,
+    )?;
+    Some(Choice {
+        best,
+        runner_up,
+        dp_rank: candidates[best].dp_rank,
+        matched_blocks: candidates[best].matched[2],
+    })
+}
+
+/// The cheapest of `(index, cost)` pairs and the runner-up. Exact ties are broken with
+/// reservoir sampling, so each tied index wins with equal odds and the one not kept is the
+/// runner-up. `None` for no pairs.
+pub fn rank(
+    costs: impl IntoIterator<Item = (usize, f64)>,
+    rng: &mut impl Random,
+) -> Option<(usize, Option<usize>)> {
     let mut best: Option<(usize, f64)> = None;
     let mut second: Option<(usize, f64)> = None;
     let mut ties = 0u64;
-    for (i, c) in candidates.iter().enumerate() {
-        let cost = cost(c, query_blocks, block_size, weights);
+    for (i, cost) in costs {
         match best {
             Some((_, b)) if cost > b => {
                 if second.is_none_or(|(_, s)| cost < s) {
@@ -143,8 +164,6 @@ pub fn pick(
                 }
             }
             Some((b_idx, b)) if cost == b => {
-                // Reservoir sampling keeps each of the tied candidates with equal odds; the
-                // one not kept is the runner-up.
                 ties += 1;
                 if rng.next_u64().is_multiple_of(ties + 1) {
                     best = Some((i, cost));
@@ -161,13 +180,7 @@ pub fn pick(
             None => best = Some((i, cost)),
         }
     }
-    let (best, _) = best?;
-    Some(Choice {
-        best,
-        runner_up: second.map(|(i, _)| i),
-        dp_rank: candidates[best].dp_rank,
-        matched_blocks: candidates[best].matched[2],
-    })
+    best.map(|(b, _)| (b, second.map(|(i, _)| i)))
 }
 
 #[cfg(test)]
