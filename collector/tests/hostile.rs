@@ -204,11 +204,12 @@ async fn a_dp_rank_flood_is_capped_shares_one_budget_and_leaves_register_room() 
             .is_some_and(|w| w.status.batches >= 50)
     })
     .await;
-    let hub = state.read();
-    assert_eq!(hub.workers().count(), 5, "itself and 4 siblings");
-    let blocks: u64 = hub.worker_views().iter().map(|w| w.blocks).sum();
-    assert_eq!(blocks, 40, "one budget for the registration's ranks");
-    drop(hub);
+    {
+        let hub = state.read();
+        assert_eq!(hub.workers().count(), 5, "itself and 4 siblings");
+        let blocks: u64 = hub.worker_views().iter().map(|w| w.blocks).sum();
+        assert_eq!(blocks, 40, "one budget for the registration's ranks");
+    }
     assert_eq!(limited_reaches(&state, "dp_ranks_per_worker", 46).await, 46);
     assert!(limited_reaches(&state, "blocks_per_registration", 1).await > 0);
     // The slots are not gone: registrations still succeed.
