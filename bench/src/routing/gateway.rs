@@ -29,6 +29,8 @@ pub struct GatewaySetup {
     pub filter_config: Map<String, Value>,
     /// Rendered configs and Envoy logs.
     pub work_dir: PathBuf,
+    /// The filter's feed pull (and load report) period, wall milliseconds.
+    pub sync_interval_ms: u32,
 }
 
 /// Why a gateway did not start.
@@ -162,6 +164,10 @@ impl Gateway {
             ("FALLBACK_LB".into(), "round_robin".into()),
             ("FALLBACK_LB_TYPE".into(), "RoundRobin".into()),
             ("FILTER_EXTRA".into(), filter_extra(&keys)),
+            (
+                "SYNC_INTERVAL_MS".into(),
+                setup.sync_interval_ms.to_string(),
+            ),
         ];
         let config = setup.work_dir.join(format!("envoy-{name}.yaml"));
         render(&setup.config_dir, &config, &values).await?;

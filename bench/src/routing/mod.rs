@@ -91,6 +91,31 @@ pub const SCENARIOS: [(&str, &[&str]); 3] = [
     ),
 ];
 
+/// How the gateway's and collector's own periods relate to the simulation's clock.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Clock {
+    /// Shipped periods in simulated time (wall periods divided by `--speed`).
+    Scaled,
+    /// Shipped periods in wall time.
+    Wall,
+}
+
+/// Shipped defaults of the periods `--gateway-clock` scales, milliseconds: the filter's feed
+/// pull, its speculative entries' lifetime, the collector's engine scrape.
+const SYNC_INTERVAL_MS: f64 = 100.0;
+const SPECULATIVE_TTL_MS: f64 = 2_000.0;
+const SCRAPE_INTERVAL_MS: f64 = 500.0;
+
+impl BenchArgs {
+    /// `ms` of shipped wall time as the gateway should run it in this benchmark.
+    fn gateway_ms(&self, ms: f64) -> f64 {
+        match self.gateway_clock {
+            Clock::Scaled => (ms / self.speed.max(1e-9)).max(1.0),
+            Clock::Wall => ms,
+        }
+    }
+}
+
 /// Flags of `kvroute-bench routing`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -134,6 +159,13 @@ pub struct BenchArgs {
     /// '{"route": {"max_hit_queue_tokens": 8192}}').
     #[arg(long, default_value = "{}")]
     pub filter_config: String,
+    /// The gateway's and collector's own periods: `scaled` divides them by `--speed` (feed
+    /// pull and load report 100 ms, speculative TTL 2 s, engine scrape 0.5 s, all in simulated
+    /// time), so the compressed run sees them as an operator's real-time fleet does; `wall`
+    /// keeps the shipped values in wall time (at `--speed 10` a 100 ms feed pull is then a
+    /// 1 s lag in the simulation, which no real deployment has).
+    #[arg(long, value_enum, default_value_t = Clock::Scaled)]
+    pub gateway_clock: Clock,
     /// Requests of the burst sharing the system prompt.
     #[arg(long, default_value_t = 64)]
     pub burst_requests: usize,
@@ -251,6 +283,8 @@ pub async fn start_collector(a: &BenchArgs, fleet: &Fleet) -> anyhow::Result<Str
         "kvroute-collector".to_string(),
         "--listen".into(),
         "127.0.0.1:0".into(),
+        "--scrape-interval-secs".into(),
+        format!("{}", a.gateway_ms(SCRAPE_INTERVAL_MS) / 1000.0),
     ];
     for (i, e) in fleet.engines.iter().enumerate() {
         let (ep, replay) = e.event_endpoints()[0].clone();
@@ -567,12 +601,20 @@ async fn gateway_setup(a: &BenchArgs) -> anyhow::Result<GatewaySetup> {
         Some(e) => e,
         None => gateway::installed_envoy(&a.envoy_config).await?,
     };
-    let filter_config = match serde_json::from_str::<serde_json::Value>(&a.filter_config)
+    let mut filter_config = match serde_json::from_str::<serde_json::Value>(&a.filter_config)
         .context("--filter-config")?
     {
         serde_json::Value::Object(m) => m,
         other => anyhow::bail!("--filter-config must be a JSON object, not {other}"),
     };
+    // The scaled speculative TTL, unless the caller set one.
+    let mut scaled = serde_json::Map::new();
+    scaled.insert(
+        "route".into(),
+        json!({"speculative_ttl_ms": a.gateway_ms(SPECULATIVE_TTL_MS).round() as u64}),
+    );
+    gateway::merge(&mut scaled, &filter_config);
+    filter_config = scaled;
     Ok(GatewaySetup {
         envoy,
         wasm,
@@ -580,6 +622,7 @@ async fn gateway_setup(a: &BenchArgs) -> anyhow::Result<GatewaySetup> {
         concurrency: a.envoy_concurrency.max(1),
         filter_config,
         work_dir: a.out.join("logs"),
+        sync_interval_ms: a.gateway_ms(SYNC_INTERVAL_MS).round() as u32,
     })
 }
 
@@ -735,7 +778,7 @@ fn write_summary(a: &BenchArgs, all: &[(String, Vec<PolicyResult>)]) -> anyhow::
             "rate_scale": a.rate_scale, "block_size": a.block_size,
             "capacity_blocks": a.capacity_blocks, "prefill_tokens_per_s": a.prefill_tokens_per_s,
             "decode_ms_per_token": a.decode_ms_per_token, "seed": a.seed,
-            "filter_config": a.filter_config,
+            "filter_config": a.filter_config, "gateway_clock": format!("{:?}", a.gateway_clock),
             "burst": {"requests": a.burst_requests, "shared_tokens": a.burst_shared_tokens,
                       "tail_tokens": a.burst_tail_tokens, "cold": a.burst_cold},
         },
