@@ -350,6 +350,7 @@ mod tests {
             concurrency: 1,
             filter_config: Map::new(),
             work_dir: std::env::temp_dir(),
+            sync_interval_ms: 100,
         };
         let e = Gateway::start(&setup, "t", &[], "127.0.0.1:1", &Map::new(), "m")
             .await
