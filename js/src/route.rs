@@ -1,6 +1,12 @@
-//! The routing decision (`kvroute::route::decide`) over instances the caller describes: a
-//! plain object (or its JSON text) in, the chosen instance and the runner-up out.
+//! The routing decision (`kvroute::route::decide`): over instances the caller describes
+//! ([`route_js`]), or over the collector's `/query` answer as the filter's remote mode reads
+//! it ([`route_query_response`]). A plain object (or its JSON text) in, the chosen instance
+//! and the runner-up out.
 
+use std::collections::BTreeMap;
+
+use kvroute::api::QueryResponse;
+use kvroute::mirror::LoadId;
 use kvroute::route::{self as core, Cold, Contender, EngineLoad, InstanceLoad, Policy, Query};
 use kvroute::select::{SplitMix64, Weights};
 use serde::{Deserialize, Serialize};
@@ -113,6 +119,20 @@ pub struct LoadSpec {
     pub engine: Option<EngineSpec>,
 }
 
+impl LoadSpec {
+    fn instance_load(&self) -> InstanceLoad {
+        InstanceLoad {
+            requests: self.requests,
+            prefill_tokens: self.prefill_tokens,
+            decode_tokens: self.decode_tokens,
+            engine: self.engine.as_ref().map(|e| EngineLoad {
+                waiting: e.waiting,
+                kv_usage: e.kv_usage,
+            }),
+        }
+    }
+}
+
 /// An engine's own load report.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -217,14 +237,93 @@ pub fn route_js(
     #[wasm_bindgen(unchecked_param_type = "RouteRequest | string")] request: JsValue,
 ) -> Result<JsValue, JsError> {
     let req: RouteRequest = args::from_js(&request, "route request")?;
-    // Without a seed, ties break at random like the filter's (seeded from the clock there).
-    let seed = req
-        .seed
-        .unwrap_or_else(|| (js_sys::Math::random() * u64::MAX as f64) as u64);
-    let decision = decide(&req, seed).map_err(|e| args::js(format!("route request: {e}")))?;
+    let decision = decide(&req, seed_or_random(req.seed))
+        .map_err(|e| args::js(format!("route request: {e}")))?;
+    decision_to_js(decision)
+}
+
+/// Without a seed, ties break at random like the filter's (seeded from the clock there).
+fn seed_or_random(seed: Option<u64>) -> u64 {
+    seed.unwrap_or_else(|| (js_sys::Math::random() * u64::MAX as f64) as u64)
+}
+
+fn decision_to_js(decision: Option<RouteDecision>) -> Result<JsValue, JsError> {
     let text =
         serde_json::to_string(&decision).map_err(|e| args::js(format!("route decision: {e}")))?;
     js_sys::JSON::parse(&text).map_err(|_| args::js("route decision: not JSON".into()))
+}
+
+/// What the filter's remote mode adds to the collector's answer.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RemoteOptions {
+    /// In-flight load per instance id; absent instances carry none.
+    #[serde(default)]
+    pub loads: BTreeMap<String, LoadSpec>,
+    /// The policy; the filter's defaults for what is absent.
+    #[serde(default)]
+    pub policy: PolicySpec,
+    /// Seed of the exact-tie break; absent: a random one.
+    pub seed: Option<u64>,
+}
+
+/// Decides over the collector's `/query` or `/query_by_hash` answer (its JSON object or
+/// text) exactly as the filter's remote mode does: each instance's rank with the most
+/// matched tokens, tiers from its totals, the load from `options.loads`. Instances absent
+/// from the answer hold nothing and do not compete. Returns `null` when nothing is decided.
+#[wasm_bindgen(js_name = routeQueryResponse, unchecked_return_type = "RouteDecision | null")]
+pub fn route_query_response(
+    #[wasm_bindgen(unchecked_param_type = "QueryResponse | string")] response: JsValue,
+    #[wasm_bindgen(unchecked_param_type = "RemoteOptions | undefined")] options: JsValue,
+) -> Result<JsValue, JsError> {
+    let resp: QueryResponse = args::from_js(&response, "query response")?;
+    let opts: RemoteOptions = if options.is_undefined() || options.is_null() {
+        RemoteOptions::default()
+    } else {
+        args::from_js(&options, "route options")?
+    };
+    let decision = decide_remote(&resp, &opts, seed_or_random(opts.seed))
+        .map_err(|e| args::js(format!("route options: {e}")))?;
+    decision_to_js(decision)
+}
+
+/// [`route_query_response`] without JS types.
+pub fn decide_remote(
+    resp: &QueryResponse,
+    opts: &RemoteOptions,
+    seed: u64,
+) -> Result<Option<RouteDecision>, String> {
+    let policy = opts.policy.policy()?;
+    // The core names loads by a hash of the instance id; the caller names them by the id.
+    let loads: Vec<(LoadId, InstanceLoad)> = opts
+        .loads
+        .iter()
+        .map(|(id, l)| (LoadId::instance(id), l.instance_load()))
+        .collect();
+    let load_of = |id: LoadId| {
+        loads
+            .iter()
+            .find(|(l, _)| *l == id)
+            .map_or_else(InstanceLoad::default, |(_, l)| *l)
+    };
+    let contenders: Vec<Contender> = core::remote_contenders(resp, load_of)
+        .into_iter()
+        .map(|(c, _)| c)
+        .collect();
+    let query = Query {
+        blocks: resp.query_blocks,
+        block_size: resp.block_size.max(1),
+    };
+    let ids: Vec<&String> = resp.instances.keys().collect();
+    let decision = core::decide(&contenders, query, &policy, &mut SplitMix64(seed));
+    Ok(decision.map(|d| RouteDecision {
+        best: ids[d.best].clone(),
+        best_index: d.best,
+        runner_up: d.runner_up.map(|i| ids[i].clone()),
+        runner_up_index: d.runner_up,
+        dp_rank: d.dp_rank,
+        matched_blocks: d.matched_blocks,
+    }))
 }
 
 /// The decision without JS types: contenders built from the request, then the core decides.
@@ -256,17 +355,7 @@ pub fn decide(req: &RouteRequest, seed: u64) -> Result<Option<RouteDecision>, St
             .serves(tenant, model),
             _ => true,
         };
-        let l = &inst.load;
-        let load = InstanceLoad {
-            requests: l.requests,
-            prefill_tokens: l.prefill_tokens,
-            decode_tokens: l.decode_tokens,
-            engine: l.engine.as_ref().map(|e| EngineLoad {
-                waiting: e.waiting,
-                kv_usage: e.kv_usage,
-            }),
-        };
-        let mut c = Contender::new(eligible, load);
+        let mut c = Contender::new(eligible, inst.load.instance_load());
         let at = format!("instances[{i}]");
         match (&inst.matched, &inst.ranks) {
             (Some(_), Some(_)) => return Err(format!("{at}: give matched or ranks, not both")),
@@ -335,7 +424,30 @@ export interface RouteRequest {
   seed?: number;
 }
 
-/** Where `route` sends the request. */
+/** The collector's `/query` and `/query_by_hash` answer (matches in tokens). */
+export interface QueryResponse {
+  block_size: number;
+  query_blocks: number;
+  instances: Record<string, {
+    address: string;
+    longest_matched: number;
+    gpu: number;
+    cpu: number;
+    disk: number;
+    /** Each dp rank's best, keyed by the rank in decimal. */
+    dp: Record<string, number>;
+  }>;
+}
+
+/** What `routeQueryResponse` adds to the collector's answer. */
+export interface RemoteOptions {
+  /** In-flight load per instance id. */
+  loads?: Record<string, { requests?: number; prefillTokens?: number; decodeTokens?: number; engine?: { waiting: number; kvUsage: number } }>;
+  policy?: RouteRequest["policy"];
+  seed?: number;
+}
+
+/** Where `route` and `routeQueryResponse` send the request. `bestIndex` is the instance's position in the request's `instances` (for a query response: among its instance ids, sorted). */
 export interface RouteDecision {
   best: string;
   bestIndex: number;

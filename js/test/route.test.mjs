@@ -70,6 +70,26 @@ for (const [name, kv] of builds) {
     assert.deepEqual([...winners].sort(), ['a', 'b']);
   });
 
+  test(`${name}: over the collector's /query answer, as the filter's remote mode`, () => {
+    // Matches in tokens, blocks of 16: e1 holds 8 blocks, e2 4 (its rank 2 the most).
+    const answer = {
+      block_size: 16,
+      query_blocks: 16,
+      instances: {
+        e1: { address: '10.0.0.1:8000', longest_matched: 128, gpu: 128, cpu: 128, disk: 128, dp: { 0: 128 } },
+        e2: { address: '10.0.0.2:8000', longest_matched: 64, gpu: 64, cpu: 64, disk: 64, dp: { 0: 32, 2: 64 } },
+      },
+    };
+    assert.deepEqual(kv.routeQueryResponse(answer, { seed: 1 }), { best: 'e1', bestIndex: 0, runnerUp: 'e2', runnerUpIndex: 1, dpRank: 0, matchedBlocks: 8 });
+    // 64 blocks of prefill queued on e1 outweigh its 4 extra cached blocks; e2 answers on rank 2.
+    const d = kv.routeQueryResponse(JSON.stringify(answer), { loads: { e1: { prefillTokens: 1024, requests: 4 } } });
+    assert.deepEqual([d.best, d.dpRank, d.matchedBlocks, d.runnerUp], ['e2', 2, 4, 'e1']);
+    // Nobody holds anything: the filter's remote mode has no contender.
+    assert.equal(kv.routeQueryResponse({ block_size: 16, query_blocks: 4, instances: {} }), null);
+    assert.throws(() => kv.routeQueryResponse({ query_blocks: 4, instances: {} }), /query response: missing field `block_size`/);
+    assert.throws(() => kv.routeQueryResponse(answer, { loads: { e1: { requests: 'many' } } }), /route options: loads\.e1\.requests: invalid type/);
+  });
+
   test(`${name}: JSON text in, and bad requests throw naming the field`, () => {
     const d = kv.route(JSON.stringify({ query, instances: [{ id: 'a', matched: 2 }, { id: 'b', matched: 3 }] }));
     assert.equal(d.best, 'b');

@@ -38,7 +38,30 @@ export interface RouteRequest {
     seed?: number;
 }
 
-/** Where `route` sends the request. */
+/** The collector's `/query` and `/query_by_hash` answer (matches in tokens). */
+export interface QueryResponse {
+    block_size: number;
+    query_blocks: number;
+    instances: Record<string, {
+        address: string;
+        longest_matched: number;
+        gpu: number;
+        cpu: number;
+        disk: number;
+        /** Each dp rank's best, keyed by the rank in decimal. */
+        dp: Record<string, number>;
+    }>;
+}
+
+/** What `routeQueryResponse` adds to the collector's answer. */
+export interface RemoteOptions {
+    /** In-flight load per instance id. */
+    loads?: Record<string, { requests?: number; prefillTokens?: number; decodeTokens?: number; engine?: { waiting: number; kvUsage: number } }>;
+    policy?: RouteRequest["policy"];
+    seed?: number;
+}
+
+/** Where `route` and `routeQueryResponse` send the request. `bestIndex` is the instance's position in the request's `instances` (for a query response: among its instance ids, sorted). */
 export interface RouteDecision {
     best: string;
     bestIndex: number;
@@ -122,6 +145,14 @@ export function readBody(body: string | Uint8Array, options: BodyOptions | undef
 export function route(request: RouteRequest | string): RouteDecision | null;
 
 /**
+ * Decides over the collector's `/query` or `/query_by_hash` answer (its JSON object or
+ * text) exactly as the filter's remote mode does: each instance's rank with the most
+ * matched tokens, tiers from its totals, the load from `options.loads`. Instances absent
+ * from the answer hold nothing and do not compete. Returns `null` when nothing is decided.
+ */
+export function routeQueryResponse(response: QueryResponse | string, options: RemoteOptions | undefined): RouteDecision | null;
+
+/**
  * Sequence hashes (the chained prefix hashes the index is keyed by) of every full block of
  * `tokens`.
  *
@@ -145,6 +176,7 @@ export interface InitOutput {
     readonly parseTokenHeader: (a: any, b: number, c: number) => [number, number, number, number];
     readonly readBody: (a: any, b: any) => [number, number, number];
     readonly route: (a: any) => [number, number, number];
+    readonly routeQueryResponse: (a: any, b: any) => [number, number, number];
     readonly sequenceHashes: (a: number, b: number, c: number, d: number, e: number, f: number, g: number) => [number, number, number, number];
     readonly sequenceHashesOfBlocks: (a: number, b: number) => [number, number];
     readonly __wbindgen_malloc: (a: number, b: number) => number;

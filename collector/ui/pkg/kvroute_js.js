@@ -133,6 +133,23 @@ export function route(request) {
 }
 
 /**
+ * Decides over the collector's `/query` or `/query_by_hash` answer (its JSON object or
+ * text) exactly as the filter's remote mode does: each instance's rank with the most
+ * matched tokens, tiers from its totals, the load from `options.loads`. Instances absent
+ * from the answer hold nothing and do not compete. Returns `null` when nothing is decided.
+ * @param {QueryResponse | string} response
+ * @param {RemoteOptions | undefined} options
+ * @returns {RouteDecision | null}
+ */
+export function routeQueryResponse(response, options) {
+    const ret = wasm.routeQueryResponse(response, options);
+    if (ret[2]) {
+        throw takeFromExternrefTable0(ret[1]);
+    }
+    return takeFromExternrefTable0(ret[0]);
+}
+
+/**
  * Sequence hashes (the chained prefix hashes the index is keyed by) of every full block of
  * `tokens`.
  *

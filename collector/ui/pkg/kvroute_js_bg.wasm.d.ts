@@ -7,6 +7,7 @@ export const hashSeed: (a: number, b: number, c: number, d: number) => bigint;
 export const parseTokenHeader: (a: any, b: number, c: number) => [number, number, number, number];
 export const readBody: (a: any, b: any) => [number, number, number];
 export const route: (a: any) => [number, number, number];
+export const routeQueryResponse: (a: any, b: any) => [number, number, number];
 export const sequenceHashes: (a: number, b: number, c: number, d: number, e: number, f: number, g: number) => [number, number, number, number];
 export const sequenceHashesOfBlocks: (a: number, b: number) => [number, number];
 export const __wbindgen_malloc: (a: number, b: number) => number;
