@@ -134,7 +134,7 @@ js: js-tools
 	sed 's/@VERSION@/$(JS_VERSION)/' js/package.template.json > js/pkg/package.json
 	mkdir -p collector/ui/pkg
 	cp js/pkg/web/kvroute_js.js js/pkg/web/kvroute_js_bg.wasm js/pkg/web/kvroute_js.d.ts js/pkg/web/kvroute_js_bg.wasm.d.ts collector/ui/pkg/
-	@ls -l js/pkg/web/kvroute_js_bg.wasm; printf 'gzip -9: '; gzip -9c js/pkg/web/kvroute_js_bg.wasm | wc -c
+	@ls -l js/pkg/web/kvroute_js_bg.wasm
 
 ## make test-js: the build, the Node tests (hash vectors, the native core on random inputs,
 ## intake, the decision), then the committed collector/ui/pkg must be what `make js` wrote.

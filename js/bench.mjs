@@ -34,4 +34,6 @@ best(`block hashes of ${TOKENS} tokens (block ${BLOCK}), prompts`, () => blockHa
 const header = encodeTokenHeader(prompt);
 best(`base64 header of ${TOKENS} tokens parsed`, () => parseTokenHeader(header));
 const body = JSON.stringify({ model: 'm', prompt: [...prompt] });
-best(`JSON body of ${TOKENS} tokens (${body.length} bytes) read`, () => readBody(body));
+best(`JSON body of ${TOKENS} tokens (${body.length} bytes) read from a string`, () => readBody(body));
+const bodyBytes = new TextEncoder().encode(body);
+best(`JSON body of ${TOKENS} tokens read from a Uint8Array`, () => readBody(bodyBytes));
