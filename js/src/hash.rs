@@ -12,7 +12,10 @@ use crate::args;
 /// The seed of a scope: 1337 plus xxh3 of the LoRA name (seed 0) and of the cache salt
 /// (seed 1) when given; an empty string counts as absent.
 #[wasm_bindgen(js_name = hashSeed)]
-pub fn hash_seed(lora_name: Option<String>, cache_salt: Option<String>) -> u64 {
+pub fn hash_seed(
+    #[wasm_bindgen(js_name = loraName)] lora_name: Option<String>,
+    #[wasm_bindgen(js_name = cacheSalt)] cache_salt: Option<String>,
+) -> u64 {
     core::seed(lora_name.as_deref(), cache_salt.as_deref())
 }
 
@@ -22,9 +25,9 @@ pub fn hash_seed(lora_name: Option<String>, cache_salt: Option<String>) -> u64 {
 #[wasm_bindgen(js_name = blockHashes)]
 pub fn block_hashes(
     tokens: &[u32],
-    block_size: f64,
-    lora_name: Option<String>,
-    cache_salt: Option<String>,
+    #[wasm_bindgen(js_name = blockSize)] block_size: f64,
+    #[wasm_bindgen(js_name = loraName)] lora_name: Option<String>,
+    #[wasm_bindgen(js_name = cacheSalt)] cache_salt: Option<String>,
 ) -> Result<Vec<u64>, JsError> {
     let size = block_size_of(block_size)?;
     let seed = core::seed(lora_name.as_deref(), cache_salt.as_deref());
@@ -40,9 +43,9 @@ pub fn block_hashes(
 #[wasm_bindgen(js_name = sequenceHashes)]
 pub fn sequence_hashes(
     tokens: &[u32],
-    block_size: f64,
-    lora_name: Option<String>,
-    cache_salt: Option<String>,
+    #[wasm_bindgen(js_name = blockSize)] block_size: f64,
+    #[wasm_bindgen(js_name = loraName)] lora_name: Option<String>,
+    #[wasm_bindgen(js_name = cacheSalt)] cache_salt: Option<String>,
 ) -> Result<Vec<u64>, JsError> {
     let size = block_size_of(block_size)?;
     let seed = core::seed(lora_name.as_deref(), cache_salt.as_deref());
@@ -54,7 +57,9 @@ pub fn sequence_hashes(
 /// Sequence hashes chained from block hashes already computed (Dynamo-style
 /// `/query_by_hash` input).
 #[wasm_bindgen(js_name = sequenceHashesOfBlocks)]
-pub fn sequence_hashes_of_blocks(block_hashes: &[u64]) -> Vec<u64> {
+pub fn sequence_hashes_of_blocks(
+    #[wasm_bindgen(js_name = blockHashes)] block_hashes: &[u64],
+) -> Vec<u64> {
     core::chained(block_hashes.iter().map(|&b| BlockHash(b)))
         .map(|s| s.0)
         .collect()

@@ -21,7 +21,7 @@ pub const MAX_BODY_BYTES: u64 = 1_000_000;
 #[wasm_bindgen(js_name = parseTokenHeader)]
 pub fn parse_token_header(
     #[wasm_bindgen(unchecked_param_type = "string | Uint8Array")] value: JsValue,
-    max_tokens: Option<f64>,
+    #[wasm_bindgen(js_name = maxTokens)] max_tokens: Option<f64>,
 ) -> Result<Vec<u32>, JsError> {
     let max = args::integer_or(max_tokens, MAX_HEADER_TOKENS, "maxTokens", 0, 1 << 32)
         .map_err(args::js)?;
@@ -69,12 +69,11 @@ const DECODE_FIELDS: [&str; 2] = ["max_completion_tokens", "max_tokens"];
 #[wasm_bindgen(js_name = readBody, unchecked_return_type = "BodyFields")]
 pub fn read_body(
     #[wasm_bindgen(unchecked_param_type = "string | Uint8Array")] body: JsValue,
-    #[wasm_bindgen(unchecked_param_type = "BodyOptions | undefined")] options: JsValue,
+    options: Option<BodyOptionsArg>,
 ) -> Result<JsValue, JsError> {
-    let opts: BodyOptions = if options.is_undefined() || options.is_null() {
-        BodyOptions::default()
-    } else {
-        args::from_js(&options, "body options")?
+    let opts: BodyOptions = match options {
+        None => BodyOptions::default(),
+        Some(o) => args::from_js(o.as_ref(), "body options")?,
     };
     let bytes = args::utf8_bytes(&body)
         .ok_or_else(|| JsError::new("body: expected a string or a Uint8Array"))?;
@@ -215,6 +214,13 @@ impl BodyFields {
         )?;
         Ok(o.into())
     }
+}
+
+#[wasm_bindgen]
+extern "C" {
+    /// The `BodyOptions` object as it arrives (typed for TypeScript, read by serde).
+    #[wasm_bindgen(typescript_type = "BodyOptions")]
+    pub type BodyOptionsArg;
 }
 
 #[wasm_bindgen(typescript_custom_section)]

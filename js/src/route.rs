@@ -274,13 +274,12 @@ pub struct RemoteOptions {
 #[wasm_bindgen(js_name = routeQueryResponse, unchecked_return_type = "RouteDecision | null")]
 pub fn route_query_response(
     #[wasm_bindgen(unchecked_param_type = "QueryResponse | string")] response: JsValue,
-    #[wasm_bindgen(unchecked_param_type = "RemoteOptions | undefined")] options: JsValue,
+    options: Option<RemoteOptionsArg>,
 ) -> Result<JsValue, JsError> {
     let resp: QueryResponse = args::from_js(&response, "query response")?;
-    let opts: RemoteOptions = if options.is_undefined() || options.is_null() {
-        RemoteOptions::default()
-    } else {
-        args::from_js(&options, "route options")?
+    let opts: RemoteOptions = match options {
+        None => RemoteOptions::default(),
+        Some(o) => args::from_js(o.as_ref(), "route options")?,
     };
     let decision = decide_remote(&resp, &opts, seed_or_random(opts.seed))
         .map_err(|e| args::js(format!("route options: {e}")))?;
@@ -383,6 +382,13 @@ pub fn decide(req: &RouteRequest, seed: u64) -> Result<Option<RouteDecision>, St
         dp_rank: d.dp_rank,
         matched_blocks: d.matched_blocks,
     }))
+}
+
+#[wasm_bindgen]
+extern "C" {
+    /// The `RemoteOptions` object as it arrives (typed for TypeScript, read by serde).
+    #[wasm_bindgen(typescript_type = "RemoteOptions")]
+    pub type RemoteOptionsArg;
 }
 
 #[wasm_bindgen(typescript_custom_section)]

@@ -1,6 +1,8 @@
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
-import { readFileSync, existsSync } from 'node:fs';
+import { readFileSync, existsSync, mkdtempSync, mkdirSync, symlinkSync, writeFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { spawnSync } from 'node:child_process';
 import { join } from 'node:path';
 import { repo } from './load.mjs';
 
@@ -24,5 +26,26 @@ test('package.json: version of the crate, every export present', () => {
 test('collector/ui/pkg is the browser build of js/pkg', () => {
   for (const f of ['kvroute_js.js', 'kvroute_js_bg.wasm', 'kvroute_js.d.ts', 'kvroute_js_bg.wasm.d.ts']) {
     assert.deepEqual(readFileSync(join(repo, 'collector/ui/pkg', f)), readFileSync(join(repo, 'js/pkg/web', f)), f);
+  }
+});
+
+test('an installed @kvroute/core resolves to the Node build and its subpaths', () => {
+  const dir = mkdtempSync(join(tmpdir(), 'kvroute-js-'));
+  try {
+    mkdirSync(join(dir, 'node_modules/@kvroute'), { recursive: true });
+    symlinkSync(join(repo, 'js/pkg'), join(dir, 'node_modules/@kvroute/core'), 'dir');
+    writeFileSync(
+      join(dir, 'main.mjs'),
+      `import { sequenceHashes } from '@kvroute/core';
+       import init, { initSync } from '@kvroute/core/web';
+       const t = new Uint32Array([1, 2, 3, 4]);
+       console.log(String(sequenceHashes(t, 4)[0]), typeof init, typeof initSync);`,
+    );
+    const run = spawnSync(process.execPath, ['main.mjs'], { cwd: dir, encoding: 'utf8' });
+    assert.equal(run.status, 0, run.stderr);
+    // The contract vector "one_block": tokens 1..4 in a block of 4.
+    assert.equal(run.stdout.trim(), '14643705804678351452 function function');
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
   }
 });

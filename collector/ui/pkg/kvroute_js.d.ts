@@ -105,7 +105,7 @@ export interface BodyFields {
  *
  * Throws when `blockSize` is not an integer from 1 to 2^32 − 1.
  */
-export function blockHashes(tokens: Uint32Array | number[], block_size: number, lora_name?: string | null, cache_salt?: string | null): BigUint64Array;
+export function blockHashes(tokens: Uint32Array | number[], blockSize: number, loraName?: string | null, cacheSalt?: string | null): BigUint64Array;
 
 /**
  * The header value of `tokens`: base64 of little-endian `u32`s, standard alphabet, padded.
@@ -116,7 +116,7 @@ export function encodeTokenHeader(tokens: Uint32Array | number[]): string;
  * The seed of a scope: 1337 plus xxh3 of the LoRA name (seed 0) and of the cache salt
  * (seed 1) when given; an empty string counts as absent.
  */
-export function hashSeed(lora_name?: string | null, cache_salt?: string | null): bigint;
+export function hashSeed(loraName?: string | null, cacheSalt?: string | null): bigint;
 
 /**
  * Token ids from a header value (a string, or its bytes): a decimal comma list (`"1, 2, 3"`) or the base64 (standard
@@ -124,7 +124,7 @@ export function hashSeed(lora_name?: string | null, cache_salt?: string | null):
  *
  * Throws on a malformed value or more than `maxTokens` (default 2^20) tokens.
  */
-export function parseTokenHeader(value: string | Uint8Array, max_tokens?: number | null): Uint32Array;
+export function parseTokenHeader(value: string | Uint8Array, maxTokens?: number | null): Uint32Array;
 
 /**
  * Reads a JSON request body (`string` or UTF-8 bytes) in one pass: the token ids of the
@@ -135,7 +135,7 @@ export function parseTokenHeader(value: string | Uint8Array, max_tokens?: number
  * on malformed JSON, a non-object body, a token that is not an integer in `0..2^32`, or a
  * body over `maxBodyBytes`.
  */
-export function readBody(body: string | Uint8Array, options: BodyOptions | undefined): BodyFields;
+export function readBody(body: string | Uint8Array, options?: BodyOptions | null): BodyFields;
 
 /**
  * Decides where a request goes, as the filter would. `request` is a [`RouteRequest`]
@@ -150,7 +150,7 @@ export function route(request: RouteRequest | string): RouteDecision | null;
  * matched tokens, tiers from its totals, the load from `options.loads`. Instances absent
  * from the answer hold nothing and do not compete. Returns `null` when nothing is decided.
  */
-export function routeQueryResponse(response: QueryResponse | string, options: RemoteOptions | undefined): RouteDecision | null;
+export function routeQueryResponse(response: QueryResponse | string, options?: RemoteOptions | null): RouteDecision | null;
 
 /**
  * Sequence hashes (the chained prefix hashes the index is keyed by) of every full block of
@@ -158,13 +158,13 @@ export function routeQueryResponse(response: QueryResponse | string, options: Re
  *
  * Throws when `blockSize` is not an integer from 1 to 2^32 − 1.
  */
-export function sequenceHashes(tokens: Uint32Array | number[], block_size: number, lora_name?: string | null, cache_salt?: string | null): BigUint64Array;
+export function sequenceHashes(tokens: Uint32Array | number[], blockSize: number, loraName?: string | null, cacheSalt?: string | null): BigUint64Array;
 
 /**
  * Sequence hashes chained from block hashes already computed (Dynamo-style
  * `/query_by_hash` input).
  */
-export function sequenceHashesOfBlocks(block_hashes: BigUint64Array | bigint[]): BigUint64Array;
+export function sequenceHashesOfBlocks(blockHashes: BigUint64Array | bigint[]): BigUint64Array;
 
 export type InitInput = RequestInfo | URL | Response | BufferSource | WebAssembly.Module;
 
@@ -174,9 +174,9 @@ export interface InitOutput {
     readonly encodeTokenHeader: (a: number, b: number) => [number, number];
     readonly hashSeed: (a: number, b: number, c: number, d: number) => bigint;
     readonly parseTokenHeader: (a: any, b: number, c: number) => [number, number, number, number];
-    readonly readBody: (a: any, b: any) => [number, number, number];
+    readonly readBody: (a: any, b: number) => [number, number, number];
     readonly route: (a: any) => [number, number, number];
-    readonly routeQueryResponse: (a: any, b: any) => [number, number, number];
+    readonly routeQueryResponse: (a: any, b: number) => [number, number, number];
     readonly sequenceHashes: (a: number, b: number, c: number, d: number, e: number, f: number, g: number) => [number, number, number, number];
     readonly sequenceHashesOfBlocks: (a: number, b: number) => [number, number];
     readonly __wbindgen_malloc: (a: number, b: number) => number;

@@ -5,20 +5,20 @@
  *
  * Throws when `blockSize` is not an integer from 1 to 2^32 − 1.
  * @param {Uint32Array | number[]} tokens
- * @param {number} block_size
- * @param {string | null} [lora_name]
- * @param {string | null} [cache_salt]
+ * @param {number} blockSize
+ * @param {string | null} [loraName]
+ * @param {string | null} [cacheSalt]
  * @returns {BigUint64Array}
  */
-export function blockHashes(tokens, block_size, lora_name, cache_salt) {
-    const val4 = +block_size;
+export function blockHashes(tokens, blockSize, loraName, cacheSalt) {
+    const val4 = +blockSize;
     let ptr0, len0, ptr1, len1, ptr2, len2;
     try {
         ptr0 = passArray32ToWasm0(tokens, wasm.__wbindgen_malloc);
         len0 = WASM_VECTOR_LEN;
-        ptr1 = isLikeNone(lora_name) ? 0 : passStringToWasm0(lora_name, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
+        ptr1 = isLikeNone(loraName) ? 0 : passStringToWasm0(loraName, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
         len1 = WASM_VECTOR_LEN;
-        ptr2 = isLikeNone(cache_salt) ? 0 : passStringToWasm0(cache_salt, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
+        ptr2 = isLikeNone(cacheSalt) ? 0 : passStringToWasm0(cacheSalt, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
         len2 = WASM_VECTOR_LEN;
     } catch (e) {
         if (ptr2) { wasm.__wbindgen_free(ptr2, len2 * 1, 1); }
@@ -58,16 +58,16 @@ export function encodeTokenHeader(tokens) {
 /**
  * The seed of a scope: 1337 plus xxh3 of the LoRA name (seed 0) and of the cache salt
  * (seed 1) when given; an empty string counts as absent.
- * @param {string | null} [lora_name]
- * @param {string | null} [cache_salt]
+ * @param {string | null} [loraName]
+ * @param {string | null} [cacheSalt]
  * @returns {bigint}
  */
-export function hashSeed(lora_name, cache_salt) {
+export function hashSeed(loraName, cacheSalt) {
     let ptr0, len0, ptr1, len1;
     try {
-        ptr0 = isLikeNone(lora_name) ? 0 : passStringToWasm0(lora_name, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
+        ptr0 = isLikeNone(loraName) ? 0 : passStringToWasm0(loraName, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
         len0 = WASM_VECTOR_LEN;
-        ptr1 = isLikeNone(cache_salt) ? 0 : passStringToWasm0(cache_salt, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
+        ptr1 = isLikeNone(cacheSalt) ? 0 : passStringToWasm0(cacheSalt, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
         len1 = WASM_VECTOR_LEN;
     } catch (e) {
         if (ptr1) { wasm.__wbindgen_free(ptr1, len1 * 1, 1); }
@@ -84,11 +84,11 @@ export function hashSeed(lora_name, cache_salt) {
  *
  * Throws on a malformed value or more than `maxTokens` (default 2^20) tokens.
  * @param {string | Uint8Array} value
- * @param {number | null} [max_tokens]
+ * @param {number | null} [maxTokens]
  * @returns {Uint32Array}
  */
-export function parseTokenHeader(value, max_tokens) {
-    const ret = wasm.parseTokenHeader(value, !isLikeNone(max_tokens), isLikeNone(max_tokens) ? 0 : max_tokens);
+export function parseTokenHeader(value, maxTokens) {
+    const ret = wasm.parseTokenHeader(value, !isLikeNone(maxTokens), isLikeNone(maxTokens) ? 0 : maxTokens);
     if (ret[3]) {
         throw takeFromExternrefTable0(ret[2]);
     }
@@ -106,11 +106,11 @@ export function parseTokenHeader(value, max_tokens) {
  * on malformed JSON, a non-object body, a token that is not an integer in `0..2^32`, or a
  * body over `maxBodyBytes`.
  * @param {string | Uint8Array} body
- * @param {BodyOptions | undefined} options
+ * @param {BodyOptions | null} [options]
  * @returns {BodyFields}
  */
 export function readBody(body, options) {
-    const ret = wasm.readBody(body, options);
+    const ret = wasm.readBody(body, isLikeNone(options) ? 0 : addToExternrefTable0(options));
     if (ret[2]) {
         throw takeFromExternrefTable0(ret[1]);
     }
@@ -138,11 +138,11 @@ export function route(request) {
  * matched tokens, tiers from its totals, the load from `options.loads`. Instances absent
  * from the answer hold nothing and do not compete. Returns `null` when nothing is decided.
  * @param {QueryResponse | string} response
- * @param {RemoteOptions | undefined} options
+ * @param {RemoteOptions | null} [options]
  * @returns {RouteDecision | null}
  */
 export function routeQueryResponse(response, options) {
-    const ret = wasm.routeQueryResponse(response, options);
+    const ret = wasm.routeQueryResponse(response, isLikeNone(options) ? 0 : addToExternrefTable0(options));
     if (ret[2]) {
         throw takeFromExternrefTable0(ret[1]);
     }
@@ -155,20 +155,20 @@ export function routeQueryResponse(response, options) {
  *
  * Throws when `blockSize` is not an integer from 1 to 2^32 − 1.
  * @param {Uint32Array | number[]} tokens
- * @param {number} block_size
- * @param {string | null} [lora_name]
- * @param {string | null} [cache_salt]
+ * @param {number} blockSize
+ * @param {string | null} [loraName]
+ * @param {string | null} [cacheSalt]
  * @returns {BigUint64Array}
  */
-export function sequenceHashes(tokens, block_size, lora_name, cache_salt) {
-    const val4 = +block_size;
+export function sequenceHashes(tokens, blockSize, loraName, cacheSalt) {
+    const val4 = +blockSize;
     let ptr0, len0, ptr1, len1, ptr2, len2;
     try {
         ptr0 = passArray32ToWasm0(tokens, wasm.__wbindgen_malloc);
         len0 = WASM_VECTOR_LEN;
-        ptr1 = isLikeNone(lora_name) ? 0 : passStringToWasm0(lora_name, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
+        ptr1 = isLikeNone(loraName) ? 0 : passStringToWasm0(loraName, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
         len1 = WASM_VECTOR_LEN;
-        ptr2 = isLikeNone(cache_salt) ? 0 : passStringToWasm0(cache_salt, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
+        ptr2 = isLikeNone(cacheSalt) ? 0 : passStringToWasm0(cacheSalt, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
         len2 = WASM_VECTOR_LEN;
     } catch (e) {
         if (ptr2) { wasm.__wbindgen_free(ptr2, len2 * 1, 1); }
@@ -188,11 +188,11 @@ export function sequenceHashes(tokens, block_size, lora_name, cache_salt) {
 /**
  * Sequence hashes chained from block hashes already computed (Dynamo-style
  * `/query_by_hash` input).
- * @param {BigUint64Array | bigint[]} block_hashes
+ * @param {BigUint64Array | bigint[]} blockHashes
  * @returns {BigUint64Array}
  */
-export function sequenceHashesOfBlocks(block_hashes) {
-    const ptr0 = passArray64ToWasm0(block_hashes, wasm.__wbindgen_malloc);
+export function sequenceHashesOfBlocks(blockHashes) {
+    const ptr0 = passArray64ToWasm0(blockHashes, wasm.__wbindgen_malloc);
     const len0 = WASM_VECTOR_LEN;
     const ret = wasm.sequenceHashesOfBlocks(ptr0, len0);
     var v2 = getArrayU64FromWasm0(ret[0], ret[1]).slice();
@@ -206,16 +206,8 @@ function __wbg_get_imports() {
             const ret = Error(getStringFromWasm0(arg0, arg1));
             return ret;
         },
-        __wbg___wbindgen_is_null_c22311b1cc228e3a: function(arg0) {
-            const ret = arg0 === null;
-            return ret;
-        },
         __wbg___wbindgen_is_string_fc456fee5d3317de: function(arg0) {
             const ret = typeof(arg0) === 'string';
-            return ret;
-        },
-        __wbg___wbindgen_is_undefined_be5b34249ff1fc15: function(arg0) {
-            const ret = arg0 === undefined;
             return ret;
         },
         __wbg___wbindgen_string_get_7ce8eee7fd327545: function(arg0, arg1) {
