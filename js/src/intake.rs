@@ -250,3 +250,36 @@ export interface BodyFields {
   decodeTokens: number | null;
 }
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_token_field_holding_tokens_wins() {
+        let body = br#"{"prompt":"text","input_ids":[9],"prompt_token_ids":[1,2],"model":"","cache_salt":"s\u00e9","max_completion_tokens":7,"max_tokens":9}"#;
+        let f = read_body_fields(body, &BodyOptions::default()).unwrap();
+        // `prompt` is text, so the next source in order that holds tokens is used.
+        assert_eq!(f.tokens, [1, 2]);
+        assert_eq!(f.token_field.as_deref(), Some("prompt_token_ids"));
+        // An empty model is no model, as in the filter.
+        assert_eq!(f.model, None);
+        assert_eq!(f.cache_salt.as_deref(), Some("sé"));
+        assert_eq!(f.decode_tokens, Some(7));
+    }
+
+    #[test]
+    fn limits_are_the_filters() {
+        let opts = BodyOptions {
+            max_body_bytes: Some(20.0),
+            ..BodyOptions::default()
+        };
+        let e = read_body_fields(br#"{"prompt":[1,2,3,4,5,6,7,8]}"#, &opts).unwrap_err();
+        assert!(e.contains("more than maxBodyBytes (20)"), "{e}");
+        // Exactly at the limit is read; a token takes two bytes at least, so the byte limit
+        // is the one that bites.
+        let body = br#"{"prompt":[1,2,3,4]}"#;
+        assert_eq!(body.len(), 20);
+        assert_eq!(read_body_fields(body, &opts).unwrap().tokens, [1, 2, 3, 4]);
+    }
+}
