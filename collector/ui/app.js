@@ -285,15 +285,18 @@ function frame(el, spanMs, maxY, unit) {
     el.append(svg("line", { x1: x0, x2: x1, y1: y, y2: y, class: "grid" }));
     el.append(svg("text", { x: x0 - 6, y: y + 4, "text-anchor": "end" }, compact(maxY * f) + (f === 1 ? unit : "")));
   }
-  const mins = Math.round(spanMs / 60000);
-  el.append(svg("text", { x: x0, y: 176 }, `−${mins} min`));
-  el.append(svg("text", { x: (x0 + x1) / 2, y: 176, "text-anchor": "middle" }, `−${mins / 2} min`));
+  el.append(svg("text", { x: x0, y: 176 }, `−${duration(spanMs)}`));
+  el.append(svg("text", { x: (x0 + x1) / 2, y: 176, "text-anchor": "middle" }, `−${duration(spanMs / 2)}`));
   el.append(svg("text", { x: x1, y: 176, "text-anchor": "end" }, "now"));
   return {
     x: (ageMs) => x1 - (x1 - x0) * Math.min(1, ageMs / spanMs),
     y: (v) => y0 - (y0 - y1) * (maxY > 0 ? v / maxY : 0),
     x0, x1, y0,
   };
+}
+
+function duration(ms) {
+  return ms >= 60_000 ? `${+(ms / 60_000).toFixed(1)} min` : `${Math.round(ms / 1000)} s`;
 }
 
 function compact(n) {
@@ -305,7 +308,10 @@ function compact(n) {
 function renderCharts(d) {
   const h = d.overview.history;
   const names = new Map(d.workers.map((w) => [w.worker_id, workerName(w)]));
-  for (const el of document.querySelectorAll(".span-min")) el.textContent = String(Math.round(h.span_ms / 60000));
+  // The time the samples cover (a collector that just started has little), at least a minute.
+  const oldest = h.samples.length ? h.samples[0].age_ms : 0;
+  const spanMs = Math.min(h.span_ms, Math.max(60_000, Math.ceil(oldest / 60_000) * 60_000));
+  for (const el of document.querySelectorAll(".span")) el.textContent = duration(spanMs);
   // Blocks per engine.
   const series = new Map();
   let maxB = 0;
@@ -317,7 +323,7 @@ function renderCharts(d) {
     }
   }
   const chart = $("chart-blocks");
-  const f = frame(chart, h.span_ms, niceMax(maxB), "");
+  const f = frame(chart, spanMs, niceMax(maxB), "");
   const legend = [];
   [...series.keys()].sort((a, b) => a - b).forEach((id, i) => {
     const color = PALETTE[i % PALETTE.length];
@@ -331,11 +337,11 @@ function renderCharts(d) {
   $("legend").replaceChildren(...legend);
   // Events per second, fleet.
   const sec = h.interval_ms / 1000;
-  const rates = h.samples.slice(1).map((s) => [s.age_ms, s.events / sec]);
+  const rates = h.samples.slice(1).filter((s) => s.age_ms <= spanMs).map((s) => [s.age_ms, s.events / sec]);
   const maxE = niceMax(Math.max(0, ...rates.map((r) => r[1])));
   const ev = $("chart-events");
-  const g = frame(ev, h.span_ms, maxE, "/s");
-  const w = Math.max(1, (g.x1 - g.x0) * h.interval_ms / h.span_ms - 1);
+  const g = frame(ev, spanMs, maxE, "/s");
+  const w = Math.max(1, (g.x1 - g.x0) * h.interval_ms / spanMs - 1);
   for (const [age, r] of rates) {
     if (r <= 0) continue;
     const y = g.y(r);
