@@ -17,9 +17,9 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Extension, Json, Router};
+use kvroute::api::ErrorBody;
 use serde::Serialize;
 
-use crate::api::ApiError;
 use crate::hub::Hub;
 use crate::metrics::FeedLabels;
 use crate::AppState;
@@ -105,11 +105,8 @@ pub fn page_routes() -> Router<AppState> {
 
 fn asset(path: &str) -> Response {
     let Some(a) = ASSETS.iter().find(|a| a.path == path) else {
-        return ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("no file {path:?} in the fleet page"),
-        )
-        .into_response();
+        let error = format!("no file {path:?} in the fleet page");
+        return (StatusCode::NOT_FOUND, Json(ErrorBody { error })).into_response();
     };
     (
         [
