@@ -32,7 +32,8 @@ pub const HISTORY_SPAN: Duration = Duration::from_secs(10 * 60);
 /// Workers with a blocks line in the history (the lowest ids); the totals cover all.
 pub const CHART_WORKERS: usize = 32;
 /// Largest index whose blocks are split by tier: the split walks every hold under the hub's
-/// read lock (about 5 ms a million), which ingest waits behind.
+/// read lock, which ingest waits behind (35 ms for a million in a debug build, an upper bound:
+/// `ui::tests::tier_split_cost`).
 pub const MAX_TIER_SCAN_HOLDS: usize = 1 << 20;
 /// How long a tier split of a big index is reused while the index changes; a small one (see
 /// [`TIER_RESCAN_HOLDS`]) is counted again after every change.

@@ -211,3 +211,41 @@ async fn overview_tells_tiers_last_events_feed_and_gateways() {
     assert!(o["gateways"][0]["report_age_ms"].as_u64().unwrap() < 5_000);
     assert_eq!(o["history"]["interval_ms"], 2000);
 }
+
+/// The cost of the tier split at its limit, `MAX_TIER_SCAN_HOLDS` holds:
+/// `cargo test -p kvroute-collector --lib ui::tests::tier_split_cost -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, not a check"]
+fn tier_split_cost() {
+    let state = guarded();
+    let workers = 4u32;
+    let per = (super::MAX_TIER_SCAN_HOLDS / workers as usize) as u32;
+    for i in 0..workers {
+        let req: kvroute::api::RegisterRequest = serde_json::from_value(json!({
+            "instance_id": format!("w{i}"), "endpoint": "tcp://127.0.0.1:1",
+            "model_name": "m", "block_size": 4}))
+        .unwrap();
+        state.write().register(req).unwrap();
+        let tokens: Vec<u32> = (0..per * 4)
+            .map(|t| t.wrapping_mul(2654435761) ^ i)
+            .collect();
+        let batch = crate::decode::Batch {
+            events: vec![stored(None, 1, &tokens, 4)],
+            ..Default::default()
+        };
+        state.apply_batch_blocking(kvroute::event::WorkerId(i), 0, batch);
+    }
+    let hub = state.read();
+    assert_eq!(hub.index.stats().holds, super::MAX_TIER_SCAN_HOLDS);
+    let t = std::time::Instant::now();
+    let split = super::count_tiers(&hub).unwrap();
+    let took = t.elapsed();
+    assert_eq!(
+        split.iter().map(|c| c[0]).sum::<u64>(),
+        super::MAX_TIER_SCAN_HOLDS as u64
+    );
+    println!(
+        "tier split of {} holds: {took:?}",
+        super::MAX_TIER_SCAN_HOLDS
+    );
+}
