@@ -388,7 +388,11 @@ function probeTokens(raw) {
     }
     return { tokens: kv.tokenIdsFromBody(raw), model };
   }
-  return { tokens: kv.tokenIdsFromHeader(raw), model: null };
+  // The header form is a comma list or base64; a pasted JSON array or a space-separated list
+  // is made a comma list first.
+  let list = raw.startsWith("[") && raw.endsWith("]") ? raw.slice(1, -1) : raw;
+  if (!list.includes(",") && /^[\d\s]+$/.test(list)) list = list.trim().split(/\s+/).join(",");
+  return { tokens: kv.tokenIdsFromHeader(list), model: null };
 }
 
 function probeStatus(msg, cls) {
