@@ -17,7 +17,7 @@ FIXTURES   := $(foreach f,$(wildcard host-test/fixtures/*/Cargo.toml),-p $(shell
 
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all setup wasm native lint layout test test-rust test-e2e bench bench-routing bench-collector bench-ingest-stall bench-soak bench-latency demo clean
+.PHONY: all setup wasm native lint layout test test-rust test-e2e bench bench-routing bench-collector bench-ingest-stall bench-soak bench-latency demo clean js js-tools test-js bench-js
 
 all: wasm native
 
@@ -100,6 +100,55 @@ bench-latency: wasm native
 demo: wasm native
 	bash envoy-config/install-envoy.sh >/dev/null
 	python3 envoy-config/run.py demo --no-build
+
+## --- js: the core for JavaScript (wasm-bindgen), package @kvroute/core ----------------------
+##
+## make js: js/pkg (package.json, web/ for browsers and bundlers, node/ for Node) and the
+## browser build the collector's fleet page embeds, in collector/ui/pkg (committed to git, so
+## the collector builds without wasm tools). The CLI is installed at exactly the version of the
+## wasm-bindgen crate in Cargo.lock: the macro and the CLI must agree.
+JS_TOOLS     := $(abspath $(TARGET_DIR))/tools
+WASM_BINDGEN := $(JS_TOOLS)/bin/wasm-bindgen
+WASM_BINDGEN_VERSION := $(shell sed -n '/^name = "wasm-bindgen"$$/{n;s/^version = "\(.*\)"/\1/p;}' Cargo.lock)
+JS_VERSION   := $(shell sed -n 's/^version = "\(.*\)"/\1/p' js/Cargo.toml | head -n1)
+JS_WASM      := $(TARGET_DIR)/wasm32-unknown-unknown/release/kvroute_js.wasm
+CARGO_HOME_DIR := $(if $(CARGO_HOME),$(CARGO_HOME),$(HOME)/.cargo)
+# Panic locations carry source paths: remapped so the committed collector/ui/pkg is the same
+# bytes whichever checkout or machine builds it.
+JS_RUSTFLAGS := --remap-path-prefix=$(CURDIR)=kvroute --remap-path-prefix=$(CARGO_HOME_DIR)=cargo
+
+js-tools:
+	@rustup target list --installed 2>/dev/null | grep -qx wasm32-unknown-unknown || rustup target add wasm32-unknown-unknown
+	@# --locked first; a registry missing one of the CLI's locked dependencies makes it fail,
+	@# then the dependencies resolve afresh (the CLI's own version stays pinned).
+	@if [ "$$($(WASM_BINDGEN) --version 2>/dev/null)" != "wasm-bindgen $(WASM_BINDGEN_VERSION)" ]; then \
+	  $(CARGO) install -j$(JOBS) --force --locked --root $(JS_TOOLS) --target-dir $(JS_TOOLS)/build wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION) || \
+	  $(CARGO) install -j$(JOBS) --force --root $(JS_TOOLS) --target-dir $(JS_TOOLS)/build wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION); \
+	fi
+
+js: js-tools
+	RUSTFLAGS="$(JS_RUSTFLAGS)" $(CARGO) build -j$(JOBS) --release --target wasm32-unknown-unknown -p kvroute-js --lib
+	rm -rf js/pkg collector/ui/pkg
+	$(WASM_BINDGEN) --target web --out-dir js/pkg/web $(JS_WASM)
+	$(WASM_BINDGEN) --target experimental-nodejs-module --out-dir js/pkg/node $(JS_WASM)
+	sed 's/@VERSION@/$(JS_VERSION)/' js/package.template.json > js/pkg/package.json
+	mkdir -p collector/ui/pkg
+	cp js/pkg/web/kvroute_js.js js/pkg/web/kvroute_js_bg.wasm js/pkg/web/kvroute_js.d.ts js/pkg/web/kvroute_js_bg.wasm.d.ts collector/ui/pkg/
+	@ls -l js/pkg/web/kvroute_js_bg.wasm; printf 'gzip -9: '; gzip -9c js/pkg/web/kvroute_js_bg.wasm | wc -c
+
+## make test-js: the build, the Node tests (hash vectors, the native core on random inputs,
+## intake, the decision), then the committed collector/ui/pkg must be what `make js` wrote.
+test-js: js
+	$(CARGO) build -j$(JOBS) -p kvroute --example hash_cli
+	KVROUTE_HASH_CLI=$(TARGET_DIR)/debug/examples/hash_cli node --test js/test/
+	git diff --exit-code --stat -- collector/ui/pkg
+	@test -z "$$(git status --porcelain -- collector/ui/pkg)" || { echo "collector/ui/pkg has files git does not know: commit them"; exit 1; }
+
+## make bench-js: hashes of 8k-token prompts per second in Node beside the native core.
+bench-js: js
+	$(CARGO) build -j$(JOBS) --profile bench -p kvroute --example hash_cli
+	node js/bench.mjs
+	$(TARGET_DIR)/release/examples/hash_cli --bench
 
 clean:
 	$(CARGO) clean

@@ -1,0 +1,378 @@
+//! The routing decision (`kvroute::route::decide`) over instances the caller describes: a
+//! plain object (or its JSON text) in, the chosen instance and the runner-up out.
+
+use kvroute::route::{self as core, Cold, Contender, EngineLoad, InstanceLoad, Policy, Query};
+use kvroute::select::{SplitMix64, Weights};
+use serde::{Deserialize, Serialize};
+use wasm_bindgen::prelude::*;
+
+use crate::args;
+
+/// A routing request: the prompt's size, the instances and, optionally, the policy.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RouteRequest {
+    /// Full blocks of the prompt and tokens per block.
+    pub query: QuerySpec,
+    /// The request's tenant (default `default`), for [`InstanceSpec::models`].
+    pub tenant: Option<String>,
+    /// The request's model, for [`InstanceSpec::models`]; absent: every instance is eligible.
+    pub model: Option<String>,
+    /// The instances that could take the request.
+    pub instances: Vec<InstanceSpec>,
+    /// The policy; the filter's defaults for what is absent.
+    #[serde(default)]
+    pub policy: PolicySpec,
+    /// Seed of the exact-tie break; absent: a random one.
+    pub seed: Option<u64>,
+}
+
+/// The prompt's size.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct QuerySpec {
+    /// Full blocks of the prompt.
+    pub blocks: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+}
+
+/// Matched blocks: one number (all in GPU memory) or cumulative `[gpu, cpu, disk]` counts.
+#[derive(Debug, Deserialize, Clone, Copy)]
+#[serde(untagged)]
+pub enum Matched {
+    /// Leading blocks held in GPU memory.
+    Gpu(u32),
+    /// Leading blocks held in GPU, in GPU or CPU, in any tier.
+    Tiers([u32; 3]),
+}
+
+impl Matched {
+    fn tiers(self, at: &str) -> Result<[u32; 3], String> {
+        match self {
+            Matched::Gpu(n) => Ok([n; 3]),
+            Matched::Tiers(t) if t[0] <= t[1] && t[1] <= t[2] => Ok(t),
+            Matched::Tiers(t) => Err(format!(
+                "{at}: tiers are cumulative (gpu <= cpu <= disk), got {t:?}"
+            )),
+        }
+    }
+}
+
+/// One dp rank's match.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RankSpec {
+    /// The rank.
+    pub dp_rank: u32,
+    /// Its leading blocks.
+    pub matched: Matched,
+}
+
+/// A `(tenant, model)` an instance serves.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Default `default`.
+    pub tenant: Option<String>,
+    /// The served model name; empty: any.
+    pub model: String,
+}
+
+/// One instance: its match, its load and what it serves.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct InstanceSpec {
+    /// The caller's name for it, returned in the decision.
+    pub id: String,
+    /// What it serves; absent: any model.
+    pub models: Option<Vec<ModelSpec>>,
+    /// Leading query blocks held (rank 0); give this or `ranks`.
+    pub matched: Option<Matched>,
+    /// Per dp rank matches; the rank with the most credit speaks for the instance.
+    pub ranks: Option<Vec<RankSpec>>,
+    /// Its in-flight load.
+    #[serde(default)]
+    pub load: LoadSpec,
+}
+
+/// In-flight load of an instance.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct LoadSpec {
+    /// Requests routed to it and not finished.
+    #[serde(default)]
+    pub requests: u32,
+    /// Uncached prompt tokens of those requests.
+    #[serde(default)]
+    pub prefill_tokens: u64,
+    /// Their decode work in tokens (not in the cost).
+    #[serde(default)]
+    pub decode_tokens: u64,
+    /// The engine's own report (waiting queue, KV usage 0..1), for the saturation rule.
+    pub engine: Option<EngineSpec>,
+}
+
+/// An engine's own load report.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct EngineSpec {
+    /// Requests waiting in its queue.
+    pub waiting: u32,
+    /// Share of its KV cache in use, 0.0 to 1.0.
+    pub kv_usage: f32,
+}
+
+/// The policy knobs of `kvroute::route::Policy`; absent ones keep the filter's defaults.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PolicySpec {
+    /// Credit per matched block per tier.
+    pub gpu: Option<f64>,
+    /// CPU tier credit.
+    pub cpu: Option<f64>,
+    /// Disk tier credit.
+    pub disk: Option<f64>,
+    /// Weight of prefill blocks in the cost.
+    pub overlap: Option<f64>,
+    /// Blocks of cost per in-flight request.
+    pub request: Option<f64>,
+    /// `"decide"` (default) or `"defer"` for requests nobody holds a block of.
+    pub cold: Option<ColdSpec>,
+    /// Waiting queue at which an engine is saturated.
+    pub max_waiting: Option<u32>,
+    /// KV usage at which an engine is saturated.
+    pub max_kv_usage: Option<f32>,
+    /// Hot-spot guard in tokens; absent or null: unbounded.
+    pub max_hit_queue_tokens: Option<u64>,
+}
+
+/// What to do with a request no instance holds a block of.
+#[derive(Debug, Deserialize, Clone, Copy)]
+#[serde(rename_all = "lowercase")]
+pub enum ColdSpec {
+    /// Route it to the instance with the least work ahead.
+    Decide,
+    /// No decision: the caller's own balancing picks.
+    Defer,
+}
+
+impl PolicySpec {
+    fn policy(&self) -> Result<Policy, String> {
+        let d = Policy::default();
+        let w = Weights::default();
+        let weights = Weights {
+            tiers: [
+                self.gpu.unwrap_or(w.tiers[0]),
+                self.cpu.unwrap_or(w.tiers[1]),
+                self.disk.unwrap_or(w.tiers[2]),
+            ],
+            overlap: self.overlap.unwrap_or(w.overlap),
+            request: self.request.unwrap_or(w.request),
+        };
+        let all = weights
+            .tiers
+            .iter()
+            .chain([&weights.overlap, &weights.request]);
+        if all.into_iter().any(|x| !x.is_finite() || *x < 0.0) {
+            return Err("policy: weights must be finite and not negative".into());
+        }
+        Ok(Policy {
+            weights,
+            cold: match self.cold {
+                None => d.cold,
+                Some(ColdSpec::Decide) => Cold::Decide,
+                Some(ColdSpec::Defer) => Cold::Defer,
+            },
+            max_waiting: self.max_waiting.unwrap_or(d.max_waiting),
+            max_kv_usage: self.max_kv_usage.unwrap_or(d.max_kv_usage),
+            max_hit_queue_tokens: self.max_hit_queue_tokens.or(d.max_hit_queue_tokens),
+        })
+    }
+}
+
+/// The decision: the instance to route to and the next best.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RouteDecision {
+    /// `id` of the chosen instance.
+    pub best: String,
+    /// Its index in `instances`.
+    pub best_index: usize,
+    /// `id` of the runner-up, the fallback.
+    pub runner_up: Option<String>,
+    /// Its index.
+    pub runner_up_index: Option<usize>,
+    /// The dp rank of `best` holding its match.
+    pub dp_rank: u32,
+    /// Blocks of the prompt `best` holds (any tier).
+    pub matched_blocks: u32,
+}
+
+/// Decides where a request goes, as the filter would. `request` is a [`RouteRequest`]
+/// object or its JSON text. Returns `null` when nothing is decided: no eligible instance, or
+/// a cold request under `cold: "defer"`. Throws with the field at fault on bad input.
+#[wasm_bindgen(js_name = route, unchecked_return_type = "RouteDecision | null")]
+pub fn route_js(
+    #[wasm_bindgen(unchecked_param_type = "RouteRequest | string")] request: JsValue,
+) -> Result<JsValue, JsError> {
+    let req: RouteRequest = args::from_js(&request, "route request")?;
+    // Without a seed, ties break at random like the filter's (seeded from the clock there).
+    let seed = req
+        .seed
+        .unwrap_or_else(|| (js_sys::Math::random() * u64::MAX as f64) as u64);
+    let decision = decide(&req, seed).map_err(|e| args::js(format!("route request: {e}")))?;
+    let text =
+        serde_json::to_string(&decision).map_err(|e| args::js(format!("route decision: {e}")))?;
+    js_sys::JSON::parse(&text).map_err(|_| args::js("route decision: not JSON".into()))
+}
+
+/// The decision without JS types: contenders built from the request, then the core decides.
+pub fn decide(req: &RouteRequest, seed: u64) -> Result<Option<RouteDecision>, String> {
+    let policy = req.policy.policy()?;
+    if req.query.block_size == 0 {
+        return Err("query.blockSize: must be at least 1".into());
+    }
+    let tenant = req
+        .tenant
+        .as_deref()
+        .unwrap_or(kvroute::scope::DEFAULT_TENANT);
+    let mut contenders = Vec::with_capacity(req.instances.len());
+    for (i, inst) in req.instances.iter().enumerate() {
+        let eligible = match (&req.model, &inst.models) {
+            (Some(model), Some(models)) => core::Instance {
+                models: models
+                    .iter()
+                    .map(|m| {
+                        let t = m
+                            .tenant
+                            .as_deref()
+                            .unwrap_or(kvroute::scope::DEFAULT_TENANT);
+                        (t.to_owned(), m.model.clone())
+                    })
+                    .collect(),
+                ..core::Instance::default()
+            }
+            .serves(tenant, model),
+            _ => true,
+        };
+        let l = &inst.load;
+        let load = InstanceLoad {
+            requests: l.requests,
+            prefill_tokens: l.prefill_tokens,
+            decode_tokens: l.decode_tokens,
+            engine: l.engine.as_ref().map(|e| EngineLoad {
+                waiting: e.waiting,
+                kv_usage: e.kv_usage,
+            }),
+        };
+        let mut c = Contender::new(eligible, load);
+        let at = format!("instances[{i}]");
+        match (&inst.matched, &inst.ranks) {
+            (Some(_), Some(_)) => return Err(format!("{at}: give matched or ranks, not both")),
+            (Some(m), None) => c.offer(0, m.tiers(&format!("{at}.matched"))?, &policy.weights),
+            (None, Some(ranks)) => {
+                for (r, rank) in ranks.iter().enumerate() {
+                    let tiers = rank.matched.tiers(&format!("{at}.ranks[{r}].matched"))?;
+                    c.offer(rank.dp_rank, tiers, &policy.weights);
+                }
+            }
+            (None, None) => c.offer(0, [0; 3], &policy.weights),
+        }
+        contenders.push(c);
+    }
+    let query = Query {
+        blocks: req.query.blocks,
+        block_size: req.query.block_size,
+    };
+    let decision = core::decide(&contenders, query, &policy, &mut SplitMix64(seed));
+    Ok(decision.map(|d| RouteDecision {
+        best: req.instances[d.best].id.clone(),
+        best_index: d.best,
+        runner_up: d.runner_up.map(|i| req.instances[i].id.clone()),
+        runner_up_index: d.runner_up,
+        dp_rank: d.dp_rank,
+        matched_blocks: d.matched_blocks,
+    }))
+}
+
+#[wasm_bindgen(typescript_custom_section)]
+const ROUTE_TYPES: &str = r#"
+/** Matched leading blocks: a number (all in GPU memory) or cumulative [gpu, cpu, disk]. */
+export type Matched = number | [number, number, number];
+
+/** A routing request for `route`. */
+export interface RouteRequest {
+  /** Full blocks of the prompt and tokens per block. */
+  query: { blocks: number; blockSize: number };
+  /** The request's tenant, default "default". */
+  tenant?: string;
+  /** The request's model; instances with `models` not serving it are not eligible. */
+  model?: string;
+  instances: Array<{
+    id: string;
+    /** What it serves (tenant default "default"; model "" serves any); absent: any. */
+    models?: Array<{ tenant?: string; model: string }>;
+    /** Leading blocks held (dp rank 0); or give `ranks`. */
+    matched?: Matched;
+    ranks?: Array<{ dpRank: number; matched: Matched }>;
+    load?: {
+      requests?: number;
+      prefillTokens?: number;
+      decodeTokens?: number;
+      /** The engine's own report, for the saturation rule. */
+      engine?: { waiting: number; kvUsage: number };
+    };
+  }>;
+  /** The filter's defaults for absent knobs. */
+  policy?: {
+    gpu?: number; cpu?: number; disk?: number; overlap?: number; request?: number;
+    cold?: "decide" | "defer";
+    maxWaiting?: number; maxKvUsage?: number;
+    maxHitQueueTokens?: number | null;
+  };
+  /** Seed of the exact-tie break; absent: random. */
+  seed?: number;
+}
+
+/** Where `route` sends the request. */
+export interface RouteDecision {
+  best: string;
+  bestIndex: number;
+  runnerUp: string | null;
+  runnerUpIndex: number | null;
+  dpRank: number;
+  matchedBlocks: number;
+}
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(json: &str) -> RouteRequest {
+        args::from_json(json).unwrap()
+    }
+
+    #[test]
+    fn the_longest_prefix_wins_at_equal_load() {
+        let r = req(r#"{"query":{"blocks":8,"blockSize":16},"seed":1,
+            "instances":[{"id":"a","matched":2},{"id":"b","matched":6},{"id":"c"}]}"#);
+        let d = decide(&r, 1).unwrap().unwrap();
+        assert_eq!((d.best.as_str(), d.matched_blocks), ("b", 6));
+        assert_eq!(d.runner_up.as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let e = args::from_json::<RouteRequest>(
+            r#"{"query":{"blocks":8,"blockSize":16},"instances":[{"id":"a","load":{"requests":-1}}]}"#,
+        )
+        .unwrap_err();
+        assert!(e.starts_with("instances[0].load.requests:"), "{e}");
+        let r = req(
+            r#"{"query":{"blocks":8,"blockSize":16},"instances":[{"id":"a","matched":[3,2,1]}]}"#,
+        );
+        assert!(decide(&r, 0).unwrap_err().contains("instances[0].matched"));
+    }
+}
