@@ -34,6 +34,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -54,6 +55,7 @@ TIMEOUT_S = 20.0
 SHOT = REPO / "bench-out" / "ui" / "fleet.png"
 DOCS_SHOT = REPO / "docs" / "fleet-page.png"
 DASHBOARD = REPO / "dashboards" / "kvroute.json"
+DOCS_TRAFFIC_S = 100.0
 RNG = random.Random(13)
 
 
@@ -183,11 +185,10 @@ class Page:
     def probe(self, text: str) -> dict[str, int]:
         """Runs the probe; instance -> the tokens its bar shows as matched."""
         self.page.fill("#probe-input", text)
-        before = self.page.locator("#probe-status").inner_text()
         self.page.click("#probe-run")
+        # "Probing…" is muted; the outcome is ok or bad.
         self.page.wait_for_function(
-            "b => { const s = document.getElementById('probe-status');"
-            " return s.textContent !== b && s.textContent !== ''; }", arg=before)
+            "() => document.getElementById('probe-status').className !== 'muted'")
         status = self.page.locator("#probe-status")
         check("ok" in (status.get_attribute("class") or ""),
               f"probe: {status.inner_text()!r}")
@@ -262,9 +263,51 @@ def test_read_only(page: Page) -> None:
     check(not page.errors, "browser errors: " + "; ".join(page.errors[:5]))
 
 
-def test_screenshot(page: Page, update_docs: bool) -> None:
+class Traffic:
+    """Requests through Envoy from a few threads (prompts that share prefixes, a few dozen
+    output tokens each), so the page has history to chart and load in flight to show."""
+
+    def __init__(self, stack: UiStack, prompts: dict[str, list[int]], threads: int = 6):
+        self.stop = threading.Event()
+        self.sent = 0
+        rng = random.Random(5)
+        bases = list(prompts.values())
+
+        def loop():
+            while not self.stop.is_set():
+                base = rng.choice(bases)
+                tokens = base[: rng.randrange(BS, len(base) + 1)] + K.random_tokens(rng.randrange(BS, 4 * BS), rng)
+                if len(bases) < 40:
+                    bases.append(tokens)
+                try:
+                    stack.completion(stack.kvroute_url, tokens, max_tokens=rng.randrange(20, 120))
+                    self.sent += 1
+                except OSError:
+                    time.sleep(0.1)
+        self.threads = [threading.Thread(target=loop, daemon=True) for _ in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=30)
+
+
+def test_screenshot(page: Page, stack: UiStack, prompts: dict[str, list[int]],
+                    update_docs: bool) -> None:
+    traffic = None
+    if update_docs:
+        # The picture the README shows: a couple of minutes of history, load in flight.
+        traffic = Traffic(stack, prompts)
+        time.sleep(DOCS_TRAFFIC_S)
+        page.probe(", ".join(map(str, prompts["a"])))
+        time.sleep(2.5)
     SHOT.parent.mkdir(parents=True, exist_ok=True)
     page.page.screenshot(path=str(SHOT), full_page=True)
+    if traffic:
+        traffic.close()
+        check(traffic.sent > 0, "no request went through Envoy")
     check(SHOT.stat().st_size > 20_000, f"{SHOT} is suspiciously small")
     if update_docs:
         DOCS_SHOT.parent.mkdir(parents=True, exist_ok=True)
@@ -449,7 +492,7 @@ def main() -> int:
                 run("ui: no token or a wrong one shows an error and no data", test_token_refused, page)
                 run("ui: every engine with the block count of /workers", test_engines_listed, page, stack)
                 run("ui: probe bars equal POST /query", test_probe, page, stack, prompts)
-                run("ui: screenshot", test_screenshot, page, args.update_docs)
+                run("ui: screenshot", test_screenshot, page, stack, prompts, args.update_docs)
                 run("ui: read-only, no browser errors", test_read_only, page)
                 run("ui: Forget drops every piece of data", test_forget_token, page)
             finally:

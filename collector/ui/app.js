@@ -376,23 +376,19 @@ function renderModels(workers) {
   }
 }
 
-/** Token ids of the probe's input: a JSON body or a header-style list, parsed by the core. */
+/** Token ids of the probe's input, read by the core as the filter reads them: a JSON body
+ * (with its model and cache_salt, when present) or a header value. */
 function probeTokens(raw) {
   if (raw.startsWith("{")) {
-    let model = null;
-    try {
-      const v = JSON.parse(raw).model;
-      if (typeof v === "string") model = v;
-    } catch {
-      // The core's parser below names what is wrong.
-    }
-    return { tokens: kv.tokenIdsFromBody(raw), model };
+    const b = kv.readBody(raw, undefined);
+    if (!b.tokenField) throw new Error("no token ids in the body (prompt, prompt_token_ids or input_ids)");
+    return { tokens: b.tokens, model: b.model, cacheSalt: b.cacheSalt };
   }
   // The header form is a comma list or base64; a pasted JSON array or a space-separated list
   // is made a comma list first.
   let list = raw.startsWith("[") && raw.endsWith("]") ? raw.slice(1, -1) : raw;
   if (!list.includes(",") && /^[\d\s]+$/.test(list)) list = list.trim().split(/\s+/).join(",");
-  return { tokens: kv.tokenIdsFromHeader(list), model: null };
+  return { tokens: kv.parseTokenHeader(list), model: null, cacheSalt: null };
 }
 
 function probeStatus(msg, cls) {
@@ -404,17 +400,20 @@ function probeStatus(msg, cls) {
 async function runProbe(ev) {
   ev.preventDefault();
   $("probe-bars").replaceChildren();
+  probeStatus("Probing…");
   const raw = $("probe-input").value.trim();
   if (!raw) return probeStatus("Paste token ids or a JSON body first.", "bad");
   const sel = $("probe-model");
   if (!sel.value) return probeStatus("No model is registered.", "bad");
   let [tenant, model] = sel.value.split("\u0000");
   const lora = $("probe-lora").value.trim() || undefined;
-  const salt = $("probe-salt").value.trim() || undefined;
+  let salt = $("probe-salt").value.trim() || undefined;
   try {
     await loadCore();
     const parsed = probeTokens(raw);
     const tokens = parsed.tokens;
+    // A body's own cache_salt counts, as it does for the filter, unless one is typed in.
+    if (!salt && parsed.cacheSalt) salt = parsed.cacheSalt;
     if (parsed.model && parsed.model !== model) {
       const key = `${tenant}\u0000${parsed.model}`;
       if (![...sel.options].some((o) => o.value === key)) {
@@ -447,7 +446,8 @@ async function runProbe(ev) {
       if (a !== b) disagree.push(`${n}: ${a} vs ${b} tokens`);
     }
     const summary = `${num(tokens.length)} tokens → ${hashed.query_blocks} blocks of ${hashed.block_size}, ` +
-      `hashed in the browser in ${took.toFixed(2)} ms.`;
+      `hashed in the browser in ${took < 0.1 ? "under 0.1" : took.toFixed(1)} ms` +
+      (salt && !$("probe-salt").value.trim() ? " (cache_salt from the body)." : ".");
     if (disagree.length) {
       probeStatus(`${summary} The browser's hashes and the collector's /query disagree (${disagree.join("; ")}): ` +
         "check the LoRA name and cache_salt.", "bad");
