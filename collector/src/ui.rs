@@ -12,13 +12,14 @@ mod history;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use axum::extract::{Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Extension, Json, Router};
 use kvroute::api::ErrorBody;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::hub::Hub;
 use crate::metrics::FeedLabels;
@@ -293,7 +294,29 @@ pub struct HistoryView {
     pub samples: Vec<SampleView>,
 }
 
-async fn overview(State(state): State<AppState>, Extension(ui): Extension<Shared>) -> Response {
+/// `GET /v1/fleet/overview` query string.
+#[derive(Clone, Copy, Debug, Default, Deserialize)]
+pub struct OverviewParams {
+    /// `false` leaves `history.samples` empty: the samples are most of the answer, and a page
+    /// polling every second or two needs them less often.
+    pub history: Option<bool>,
+}
+
+async fn overview(
+    State(state): State<AppState>,
+    Extension(ui): Extension<Shared>,
+    params: Result<Query<OverviewParams>, QueryRejection>,
+) -> Response {
+    let params = match params {
+        Ok(Query(p)) => p,
+        Err(e) => {
+            let error = format!(
+                "bad query string (want history=true|false): {}",
+                e.body_text()
+            );
+            return (StatusCode::BAD_REQUEST, Json(ErrorBody { error })).into_response();
+        }
+    };
     let now = Instant::now();
     let (gateways, gateway_timeout) = {
         let fleet = state.fleet();
@@ -346,7 +369,11 @@ async fn overview(State(state): State<AppState>, Extension(ui): Extension<Shared
                 .map(|d| d.as_millis() as u64),
         })
         .collect();
-    let samples = history.samples(now);
+    let samples = if params.history.unwrap_or(true) {
+        history.samples(now)
+    } else {
+        Vec::new()
+    };
     let span = history.span();
     drop(history);
     let served = |kind| {

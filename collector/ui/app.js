@@ -6,6 +6,8 @@
 
 const TOKEN_KEY = "kvroute.readToken";
 const FETCH_TIMEOUT_MS = 5000;
+// The chart's samples are most of /v1/fleet/overview: fetched at most this often.
+const HISTORY_EVERY_MS = 6000;
 // The collector's root, relative to the page (/ui/), so a path prefix in front still works.
 const ROOT = new URL("../", window.location.href);
 const PALETTE = ["#2457c5", "#d9480f", "#2b8a3e", "#ae3ec9", "#e67700", "#0c8599", "#c2255c",
@@ -18,6 +20,7 @@ const num = (n) => (n === null || n === undefined ? "–" : fmt.format(n));
 let timer = null;
 let busy = false;
 let last = null; // the last good refresh: {workers, load, health, overview, at}
+let historyAt = 0; // when the chart's samples were last fetched (ms since the epoch)
 let core = null; // the promise of kvroute's WebAssembly core (see loadCore)
 let kv = null; // the core, once loaded
 
@@ -86,6 +89,7 @@ function showError(msg) {
 /** Drops every piece of fleet data from the page (a refused token must show none). */
 function clearData() {
   last = null;
+  historyAt = 0;
   $("data").hidden = true;
   $("engines").tBodies[0].replaceChildren();
   $("gateways").replaceChildren();
@@ -100,10 +104,14 @@ async function refresh() {
   if (busy) return;
   busy = true;
   try {
+    const withHistory = !last || Date.now() - historyAt >= HISTORY_EVERY_MS;
     const [workers, load, health, overview] = await Promise.all([
-      api("workers"), api("v1/load"), api("health"), api("v1/fleet/overview"),
+      api("workers"), api("v1/load"), api("health"),
+      api(withHistory ? "v1/fleet/overview" : "v1/fleet/overview?history=false"),
     ]);
-    last = { workers: workers.workers, load, health, overview, at: new Date() };
+    if (withHistory) historyAt = Date.now();
+    else overview.history = last.overview.history;
+    last = { workers: workers.workers, load, health, overview, at: new Date(), withHistory };
     showError(null);
     render(last);
     $("data").hidden = false;
@@ -163,7 +171,7 @@ function render(d) {
   $("updated").textContent = `updated ${d.at.toLocaleTimeString()}`;
   renderSummary(d);
   renderEngines(d);
-  renderCharts(d);
+  if (d.withHistory) renderCharts(d);
   renderModels(d.workers);
 }
 

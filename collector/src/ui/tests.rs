@@ -210,6 +210,43 @@ async fn overview_tells_tiers_last_events_feed_and_gateways() {
     assert_eq!(o["gateways"][0]["id"], "gw-1");
     assert!(o["gateways"][0]["report_age_ms"].as_u64().unwrap() < 5_000);
     assert_eq!(o["history"]["interval_ms"], 2000);
+    // The sampler's first tick is at once; this test's runtime runs it when the test yields.
+    let mut sampled = false;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+        let o = overview(&router).await;
+        let samples = o["history"]["samples"].as_array().unwrap().clone();
+        if let Some(s) = samples.last() {
+            // Taken before or after the batch, whichever the runtime ran it at.
+            assert!(s["holds"] == 5 || s["holds"] == 0, "{s}");
+            sampled = true;
+            break;
+        }
+    }
+    assert!(sampled, "the sampler took no sample");
+    let (s, _, b) = call(
+        &router,
+        Method::GET,
+        "/v1/fleet/overview?history=false",
+        None,
+        Some(READ),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let lean: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(lean["history"]["samples"], json!([]));
+    assert_eq!(lean["index"]["holds"], 5);
+    let (s, _, b) = call(
+        &router,
+        Method::GET,
+        "/v1/fleet/overview?history=maybe",
+        None,
+        Some(READ),
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let err: Value = serde_json::from_slice(&b).expect("a JSON error");
+    assert!(err["error"].as_str().unwrap().contains("history"), "{err}");
 }
 
 /// The cost of the tier split at its limit, `MAX_TIER_SCAN_HOLDS` holds:
