@@ -129,8 +129,8 @@ js-tools:
 js: js-tools
 	RUSTFLAGS="$(JS_RUSTFLAGS)" $(CARGO) build -j$(JOBS) --release --target wasm32-unknown-unknown -p kvroute-js --lib
 	rm -rf js/pkg collector/ui/pkg
-	$(WASM_BINDGEN) --target web --out-dir js/pkg/web $(JS_WASM)
-	$(WASM_BINDGEN) --target experimental-nodejs-module --out-dir js/pkg/node $(JS_WASM)
+	$(WASM_BINDGEN) --target web --remove-name-section --out-dir js/pkg/web $(JS_WASM)
+	$(WASM_BINDGEN) --target experimental-nodejs-module --remove-name-section --out-dir js/pkg/node $(JS_WASM)
 	sed 's/@VERSION@/$(JS_VERSION)/' js/package.template.json > js/pkg/package.json
 	mkdir -p collector/ui/pkg
 	cp js/pkg/web/kvroute_js.js js/pkg/web/kvroute_js_bg.wasm js/pkg/web/kvroute_js.d.ts js/pkg/web/kvroute_js_bg.wasm.d.ts collector/ui/pkg/
