@@ -1,7 +1,7 @@
 //! Token intake (`kvroute::intake`): token ids from a header value and from a JSON body, read
 //! as the filter reads them, with the filter's default limits.
 
-use js_sys::{Object, Reflect, Uint8Array};
+use js_sys::{Object, Reflect};
 use kvroute::intake::{self as core, FieldKind, Found};
 use serde::Deserialize;
 use wasm_bindgen::prelude::*;
@@ -14,21 +14,22 @@ pub const MAX_HEADER_TOKENS: u64 = 1 << 20;
 /// The filter's default `max_body_bytes`: larger bodies are not read.
 pub const MAX_BODY_BYTES: u64 = 1_000_000;
 
-/// Token ids from a header value: a decimal comma list (`"1, 2, 3"`) or the base64 (standard
+/// Token ids from a header value (a string, or its bytes): a decimal comma list (`"1, 2, 3"`) or the base64 (standard
 /// or URL-safe, padding optional) of the tokens as little-endian `u32`.
 ///
 /// Throws on a malformed value or more than `maxTokens` (default 2^20) tokens.
 #[wasm_bindgen(js_name = parseTokenHeader)]
-pub fn parse_token_header(value: &str, max_tokens: Option<f64>) -> Result<Vec<u32>, JsError> {
+pub fn parse_token_header(
+    #[wasm_bindgen(unchecked_param_type = "string | Uint8Array")] value: JsValue,
+    max_tokens: Option<f64>,
+) -> Result<Vec<u32>, JsError> {
     let max = args::integer_or(max_tokens, MAX_HEADER_TOKENS, "maxTokens", 0, 1 << 32)
         .map_err(args::js)?;
+    let value = args::utf8_bytes(&value)
+        .ok_or_else(|| JsError::new("token header: expected a string or a Uint8Array"))?;
     let mut out = Vec::new();
-    core::parse_token_string(
-        value.as_bytes(),
-        &mut out,
-        usize::try_from(max).unwrap_or(usize::MAX),
-    )
-    .map_err(|e| JsError::new(&format!("token header: {e}")))?;
+    core::parse_token_string(&value, &mut out, usize::try_from(max).unwrap_or(usize::MAX))
+        .map_err(|e| JsError::new(&format!("token header: {e}")))?;
     Ok(out)
 }
 
@@ -75,11 +76,8 @@ pub fn read_body(
     } else {
         args::from_js(&options, "body options")?
     };
-    let bytes = match body.as_string() {
-        Some(text) => text.into_bytes(),
-        None if body.is_instance_of::<Uint8Array>() => Uint8Array::from(body).to_vec(),
-        None => return Err(JsError::new("body: expected a string or a Uint8Array")),
-    };
+    let bytes = args::utf8_bytes(&body)
+        .ok_or_else(|| JsError::new("body: expected a string or a Uint8Array"))?;
     let fields = read_body_fields(&bytes, &opts).map_err(args::js)?;
     fields.to_js()
 }

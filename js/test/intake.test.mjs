@@ -24,6 +24,8 @@ for (const [name, kv] of builds) {
     assert.throws(() => kv.parseTokenHeader('AAAA!AAA'), /bad base64/);
     assert.throws(() => kv.parseTokenHeader('1,2,3', 2), /more than 2 tokens/);
     assert.throws(() => kv.parseTokenHeader('1', -1), /maxTokens must be an integer/);
+    assert.throws(() => kv.parseTokenHeader(12), /token header: expected a string or a Uint8Array/);
+    assert.deepEqual([...kv.parseTokenHeader(new TextEncoder().encode('7,8'))], [7, 8]);
   });
 
   test(`${name}: JSON bodies, as text and as bytes`, () => {

@@ -96,12 +96,12 @@ export function encodeTokenHeader(tokens: Uint32Array | number[]): string;
 export function hashSeed(lora_name?: string | null, cache_salt?: string | null): bigint;
 
 /**
- * Token ids from a header value: a decimal comma list (`"1, 2, 3"`) or the base64 (standard
+ * Token ids from a header value (a string, or its bytes): a decimal comma list (`"1, 2, 3"`) or the base64 (standard
  * or URL-safe, padding optional) of the tokens as little-endian `u32`.
  *
  * Throws on a malformed value or more than `maxTokens` (default 2^20) tokens.
  */
-export function parseTokenHeader(value: string, max_tokens?: number | null): Uint32Array;
+export function parseTokenHeader(value: string | Uint8Array, max_tokens?: number | null): Uint32Array;
 
 /**
  * Reads a JSON request body (`string` or UTF-8 bytes) in one pass: the token ids of the
@@ -142,7 +142,7 @@ export interface InitOutput {
     readonly blockHashes: (a: number, b: number, c: number, d: number, e: number, f: number, g: number) => [number, number, number, number];
     readonly encodeTokenHeader: (a: number, b: number) => [number, number];
     readonly hashSeed: (a: number, b: number, c: number, d: number) => bigint;
-    readonly parseTokenHeader: (a: number, b: number, c: number, d: number) => [number, number, number, number];
+    readonly parseTokenHeader: (a: any, b: number, c: number) => [number, number, number, number];
     readonly readBody: (a: any, b: any) => [number, number, number];
     readonly route: (a: any) => [number, number, number];
     readonly sequenceHashes: (a: number, b: number, c: number, d: number, e: number, f: number, g: number) => [number, number, number, number];

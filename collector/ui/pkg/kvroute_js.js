@@ -79,25 +79,22 @@ export function hashSeed(lora_name, cache_salt) {
 }
 
 /**
- * Token ids from a header value: a decimal comma list (`"1, 2, 3"`) or the base64 (standard
+ * Token ids from a header value (a string, or its bytes): a decimal comma list (`"1, 2, 3"`) or the base64 (standard
  * or URL-safe, padding optional) of the tokens as little-endian `u32`.
  *
  * Throws on a malformed value or more than `maxTokens` (default 2^20) tokens.
- * @param {string} value
+ * @param {string | Uint8Array} value
  * @param {number | null} [max_tokens]
  * @returns {Uint32Array}
  */
 export function parseTokenHeader(value, max_tokens) {
-    const val2 = +(isLikeNone(max_tokens) ? 0 : max_tokens);
-    const ptr0 = passStringToWasm0(value, wasm.__wbindgen_malloc, wasm.__wbindgen_realloc);
-    const len0 = WASM_VECTOR_LEN;
-    const ret = wasm.parseTokenHeader(ptr0, len0, !isLikeNone(max_tokens), val2);
+    const ret = wasm.parseTokenHeader(value, !isLikeNone(max_tokens), isLikeNone(max_tokens) ? 0 : max_tokens);
     if (ret[3]) {
         throw takeFromExternrefTable0(ret[2]);
     }
-    var v3 = getArrayU32FromWasm0(ret[0], ret[1]).slice();
+    var v1 = getArrayU32FromWasm0(ret[0], ret[1]).slice();
     wasm.__wbindgen_free(ret[0], ret[1] * 4, 4);
-    return v3;
+    return v1;
 }
 
 /**
@@ -196,6 +193,10 @@ function __wbg_get_imports() {
             const ret = arg0 === null;
             return ret;
         },
+        __wbg___wbindgen_is_string_fc456fee5d3317de: function(arg0) {
+            const ret = typeof(arg0) === 'string';
+            return ret;
+        },
         __wbg___wbindgen_is_undefined_be5b34249ff1fc15: function(arg0) {
             const ret = arg0 === undefined;
             return ret;
@@ -210,6 +211,10 @@ function __wbg_get_imports() {
         },
         __wbg___wbindgen_throw_4c88d8bf264fd984: function(arg0, arg1) {
             throw new Error(getStringFromWasm0(arg0, arg1));
+        },
+        __wbg_encode_2424b06318963ece: function(arg0, arg1) {
+            const ret = arg0.encode(arg1);
+            return ret;
         },
         __wbg_instanceof_Uint8Array_d7aeb0dcb3108fea: function(arg0) {
             let result;
@@ -227,6 +232,10 @@ function __wbg_get_imports() {
         },
         __wbg_message_43d8c8f1d543a349: function(arg0) {
             const ret = arg0.message;
+            return ret;
+        },
+        __wbg_new_7856de40e6337288: function() {
+            const ret = new TextEncoder();
             return ret;
         },
         __wbg_new_cd4348290afae586: function() {

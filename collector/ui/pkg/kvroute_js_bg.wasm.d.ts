@@ -4,7 +4,7 @@ export const memory: WebAssembly.Memory;
 export const blockHashes: (a: number, b: number, c: number, d: number, e: number, f: number, g: number) => [number, number, number, number];
 export const encodeTokenHeader: (a: number, b: number) => [number, number];
 export const hashSeed: (a: number, b: number, c: number, d: number) => bigint;
-export const parseTokenHeader: (a: number, b: number, c: number, d: number) => [number, number, number, number];
+export const parseTokenHeader: (a: any, b: number, c: number) => [number, number, number, number];
 export const readBody: (a: any, b: any) => [number, number, number];
 export const route: (a: any) => [number, number, number];
 export const sequenceHashes: (a: number, b: number, c: number, d: number, e: number, f: number, g: number) => [number, number, number, number];
