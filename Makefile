@@ -152,3 +152,22 @@ bench-js: js
 
 clean:
 	$(CARGO) clean
+
+## make setup-browser: what the fleet page's browser test needs: Debian's `chromium` (apt-get,
+## when absent) and Playwright, the Python driver only, pinned, in the venv of
+## envoy-config/install-envoy.sh. Playwright drives that chromium; it downloads no browser.
+PLAYWRIGHT_VERSION ?= 1.65.2
+KVROUTE_VENV ?= $(CURDIR)/.venv
+.PHONY: setup-browser test-ui
+setup-browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+	@KVROUTE_VENV=$(KVROUTE_VENV) bash envoy-config/install-envoy.sh >/dev/null
+	@$(KVROUTE_VENV)/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("playwright") != "$(PLAYWRIGHT_VERSION)")' 2>/dev/null \
+		|| $(KVROUTE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "playwright==$(PLAYWRIGHT_VERSION)"
+
+## make test-ui: the collector's fleet page in headless Chromium (token, engines, probe,
+## screenshot at bench-out/ui/fleet.png) and dashboards/kvroute.json against the metrics a
+## collector and an Envoy with the filter really export. Not part of `make test` yet.
+test-ui: wasm setup-browser
+	$(CARGO) build -j$(JOBS) -p kvroute-collector -p kvroute-sim
+	KVROUTE_PROFILE=debug KVROUTE_VENV=$(KVROUTE_VENV) $(KVROUTE_VENV)/bin/python envoy-config/ui_test.py

@@ -5,7 +5,8 @@
 //! bytes and parsed here, so malformed JSON, wrong types, oversized bodies and bad query
 //! strings all get the same JSON shape. Admin endpoints (`/register`, `/unregister`) require
 //! `Authorization: Bearer <admin token>` and read endpoints (`/query*`, `/workers`, `/v1/feed`,
-//! `/v1/load`) the read token, when the collector has one. `/health` and `/metrics` are open.
+//! `/v1/load`, `/v1/fleet/overview`) the read token, when the collector has one. `/health`,
+//! `/metrics` and the fleet page's static files (`/ui/`) are open.
 
 use std::time::{Duration, Instant};
 
@@ -95,10 +96,12 @@ pub fn app(state: AppState) -> Router {
             "/v1/load",
             get(crate::fleet_api::get_load).post(crate::fleet_api::post_load),
         )
+        .merge(crate::ui::data_routes(&state))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_read));
     let open = Router::new()
         .route("/health", get(health))
-        .route("/metrics", get(metrics));
+        .route("/metrics", get(metrics))
+        .merge(crate::ui::page_routes());
     Router::new()
         .merge(admin)
         .merge(read)

@@ -292,6 +292,18 @@ impl Fleet {
         self.gateways.values().filter(|g| self.live(g, now)).count()
     }
 
+    /// Every gateway whose report is live at `now`, with the age of that report, by id.
+    pub fn gateway_ages(&self, now: Instant) -> Vec<(GatewayId, Duration)> {
+        let mut out: Vec<(GatewayId, Duration)> = self
+            .gateways
+            .iter()
+            .filter(|(_, g)| self.live(g, now))
+            .map(|(id, g)| (id.clone(), now.saturating_duration_since(g.at)))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
     fn live(&self, g: &GatewayLoad, now: Instant) -> bool {
         now.saturating_duration_since(g.at) <= self.config.gateway_timeout
     }

@@ -19,6 +19,7 @@
 //! - [`fleet`]: gateways' load reports and engines' samples, summed per worker;
 //!   [`fleet_api`]: `/v1/load`; [`scrape`]: the engines' `/metrics` scraper.
 //! - [`state`]: `--state-dir` snapshots.
+//! - [`ui`]: the fleet page (`/ui/`) and its `/v1/fleet/overview`.
 //! - [`config`]: command line and config file.
 //!
 //! It must not hold the hub's lock across an `.await`, and must not let one engine's bad
@@ -39,6 +40,7 @@ pub mod msgpack;
 pub mod scrape;
 pub mod server;
 pub mod state;
+pub mod ui;
 
 pub mod zmq;
 
