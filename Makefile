@@ -49,11 +49,14 @@ lint: setup layout
 layout:
 	python3 tools/layout_check.py
 
-## make test: lint, the wasm build, every Rust test, then the end-to-end tests through Envoy.
+## make test: lint, the wasm build, every Rust test, the end-to-end tests through Envoy, the
+## JavaScript package's Node tests and the fleet page in headless Chromium.
 test: lint wasm
 	$(CARGO) build -j$(JOBS) -p kvroute --target wasm32-wasip1
 	$(MAKE) test-rust
 	$(MAKE) test-e2e
+	$(MAKE) test-js
+	$(MAKE) test-ui
 
 test-rust:
 	$(CARGO) test -j$(JOBS) --workspace
@@ -167,7 +170,7 @@ setup-browser:
 
 ## make test-ui: the collector's fleet page in headless Chromium (token, engines, probe,
 ## screenshot at bench-out/ui/fleet.png) and dashboards/kvroute.json against the metrics a
-## collector and an Envoy with the filter really export. Not part of `make test` yet.
+## collector and an Envoy with the filter really export.
 test-ui: wasm setup-browser
 	$(CARGO) build -j$(JOBS) -p kvroute-collector -p kvroute-sim
 	KVROUTE_PROFILE=debug KVROUTE_VENV=$(KVROUTE_VENV) $(KVROUTE_VENV)/bin/python envoy-config/ui_test.py
