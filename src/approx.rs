@@ -160,22 +160,23 @@ pub fn chain_hashes(
 ) -> usize {
     out.clear();
     let block_chars = block_chars.max(1);
+    let bytes = text.as_bytes();
     let mut prev = seed;
     let mut chars = 0;
     let mut start = 0;
     for (at, _) in text.char_indices() {
         if chars > 0 && chars % block_chars == 0 {
             if out.len() >= max_blocks {
-                return chars + text[at..].chars().count();
+                return chars + text.get(at..).map_or(0, |t| t.chars().count());
             }
-            prev = xxh3_64_with_seed(text[start..at].as_bytes(), prev);
+            prev = xxh3_64_with_seed(bytes.get(start..at).unwrap_or_default(), prev);
             out.push(TextHash(prev));
             start = at;
         }
         chars += 1;
     }
     if chars > 0 && chars % block_chars == 0 && out.len() < max_blocks {
-        prev = xxh3_64_with_seed(text[start..].as_bytes(), prev);
+        prev = xxh3_64_with_seed(bytes.get(start..).unwrap_or_default(), prev);
         out.push(TextHash(prev));
     }
     chars

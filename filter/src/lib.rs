@@ -47,6 +47,7 @@ mod report;
 mod root;
 #[cfg(target_arch = "wasm32")]
 mod rules;
+mod text_config;
 #[cfg(target_arch = "wasm32")]
 mod vm;
 
@@ -78,10 +79,13 @@ pub enum Outcome {
     BadBody,
     TooLarge,
     BadHeader,
+    /// A text request whose text cannot be read (bad UTF-8, content that is not text, too
+    /// many messages).
+    BadText,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 11] = [
+    pub const ALL: [Outcome; 12] = [
         Outcome::Routed,
         Outcome::RoutedCold,
         Outcome::Deferred,
@@ -93,6 +97,7 @@ impl Outcome {
         Outcome::BadBody,
         Outcome::TooLarge,
         Outcome::BadHeader,
+        Outcome::BadText,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -108,6 +113,7 @@ impl Outcome {
             Outcome::BadBody => "bad_body",
             Outcome::TooLarge => "too_large",
             Outcome::BadHeader => "bad_header",
+            Outcome::BadText => "bad_text",
         }
     }
 }
