@@ -46,7 +46,7 @@ pub fn parse_query(body: &[u8]) -> Option<QueryRequest> {
                 };
                 Some(Some(s))
             }
-            Found::Other | Found::Tokens { .. } | Found::Uint(_) => None,
+            Found::Other | Found::Tokens { .. } | Found::Uint(_) | Found::Raw { .. } => None,
         }
     };
     // Aliases of one field: exactly one may be present, as serde requires.

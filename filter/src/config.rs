@@ -846,6 +846,7 @@ mod tests {
         );
         let c = parse(
             br#"{"collector": {"cluster": "c"}, "tokens": {"sources": ["header:x-t"]},
+                 "model": {"sources": ["header:x-model"]}, "cache_salt": {"sources": []},
                  "text": {"exact": false, "approx": false}}"#,
         )
         .unwrap();
@@ -856,6 +857,7 @@ mod tests {
         assert_eq!(kinds(&c), [None, None]);
         let c = parse(
             br#"{"collector": {"cluster": "c"}, "tokens": {"sources": ["header:x-t"]},
+                 "model": {"sources": ["header:x-model"]}, "cache_salt": {"sources": []},
                  "text": {"exact": false, "block_chars": 64, "max_entries": 1024}}"#,
         )
         .unwrap();
