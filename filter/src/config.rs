@@ -17,7 +17,7 @@ use kvroute::select::Weights;
 use serde::Deserialize;
 
 use crate::text_config::RawText;
-pub use crate::text_config::{TextConfig, MESSAGES_FIELD, PROMPT_FIELD};
+pub use crate::text_config::TextConfig;
 
 /// Where one value comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -814,6 +814,7 @@ pub fn domain_matches(pattern: &str, host: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::text_config::{MESSAGES_FIELD, PROMPT_FIELD};
 
     #[test]
     fn millisecond_keys_become_durations() {

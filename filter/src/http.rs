@@ -16,10 +16,9 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::books::{self, Booked, Picture};
-use crate::config::{
-    millis, Config, Mode, Source, Sources, DECODE_FIELDS, MESSAGES_FIELD, PROMPT_FIELD,
-};
+use crate::config::{millis, Config, Mode, Source, Sources, DECODE_FIELDS};
 use crate::host::{self, HostStore};
+use crate::text_config::{MESSAGES_FIELD, PROMPT_FIELD};
 use crate::vm::{Scratch, VmRef};
 use crate::Outcome;
 
