@@ -392,7 +392,7 @@ mod tests {
         }
         let many = format!(
             "[{}]",
-            vec![r#"{"role":"user","content":"x"}"#; 11].join(",")
+            [r#"{"role":"user","content":"x"}"#; 11].join(",")
         );
         assert_eq!(
             messages_text(many.as_bytes(), 10, &mut s),
