@@ -390,10 +390,7 @@ mod tests {
                 Err(TextError::BadMessages(_))
             ));
         }
-        let many = format!(
-            "[{}]",
-            [r#"{"role":"user","content":"x"}"#; 11].join(",")
-        );
+        let many = format!("[{}]", [r#"{"role":"user","content":"x"}"#; 11].join(","));
         assert_eq!(
             messages_text(many.as_bytes(), 10, &mut s),
             Err(TextError::TooManyMessages(10))
