@@ -21,6 +21,11 @@
 //!    Every request of a model with live instances is decided, cold ones by load alone
 //!    (`route.cold`); the decision reads this Envoy's books, the fleet's totals and the
 //!    engines' samples (`books.rs`), and speculative holders of recent decisions.
+//!    A request without token ids but with a `prompt` string or chat `messages` takes the
+//!    text path (`http/text.rs`): the collector tokenizes and matches it (`/query` with the
+//!    text, the one per-request callout of local mode), or, without a tokenizer or an
+//!    answer, approximate mode routes it on the filter's own record of where each text
+//!    prefix went ([`kvroute::approx`]); both end in the same `route::decide` and books.
 //! 4. The first response body bytes release the request's prefill tokens; `on_log` releases
 //!    the rest (the request and its decode budget), whatever the outcome.
 //!

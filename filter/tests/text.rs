@@ -297,3 +297,50 @@ fn remote_mode_routes_text_on_the_answer_and_has_no_approximate_mode() {
     let o = completion(&mut gw, "other", "some text");
     assert_fail_open(&gw, &o, "no_match", before);
 }
+
+#[test]
+fn worker_vms_share_the_recorded_prefixes() {
+    let mut gw = gateway(&config(json!({"text": {"exact": false}})), 2);
+    let feed = FakeCollector::new();
+    two_instances(&feed);
+    feed.attach(&mut gw);
+    sync(&mut gw);
+    for c in 0..4 {
+        let doc = text(&format!("shared {c}"), 900);
+        let first = gw
+            .request()
+            .worker(c % 2)
+            .header("content-type", "application/json")
+            .json_body(&json!({"model": "m", "prompt": doc}))
+            .send();
+        let engine = best(&first).expect("decided").to_owned();
+        // The next request lands on the other worker VM, which reads the same table.
+        let o = gw
+            .request()
+            .worker(1 - c % 2)
+            .header("content-type", "application/json")
+            .json_body(&json!({"model": "m", "prompt": doc + " and a question"}))
+            .send();
+        assert_eq!(best(&o), Some(engine.as_str()), "prompt {c}");
+        assert!(debug(&o).contains("outcome=routed;"), "{}", debug(&o));
+    }
+    assert!(gw.errors().is_empty());
+}
+
+#[test]
+fn a_long_text_under_the_body_limit_routes() {
+    let (mut gw, feed) = setup(json!({}));
+    feed.on_query(|_| answer_b());
+    // 900 KB of text (7,000 blocks): hashed in full, stored at 14 depths.
+    let o = completion(&mut gw, "m", &text("long", 900_000));
+    assert_eq!(best(&o), Some(B));
+    feed.on_query(|_| CalloutReply::Reset);
+    let o = completion(&mut gw, "m", &(text("long", 900_000) + "?"));
+    assert_eq!(
+        best(&o),
+        Some(B),
+        "approximate: follows the exact decision's record"
+    );
+    assert!(debug(&o).contains("outcome=routed;"), "{}", debug(&o));
+    assert!(gw.errors().is_empty());
+}
