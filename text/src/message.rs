@@ -38,7 +38,9 @@ impl Message {
 /// engine never sees. The count and the total content bytes are checked against `limits` while
 /// parsing, before any tokenizing.
 pub fn parse_messages(value: &Value, limits: &Limits) -> Result<Vec<Message>, TextError> {
-    let items = value.as_array().ok_or_else(|| bad(0, "messages must be an array"))?;
+    let items = value
+        .as_array()
+        .ok_or_else(|| bad(0, "messages must be an array"))?;
     if items.len() > limits.max_messages {
         return Err(TextError::TooManyMessages {
             count: items.len(),

@@ -106,9 +106,8 @@ fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
 fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(&value).map_err(|e| {
-        minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}"))
-    })?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = Vec::new();
     let written = match indent {
         Some(n) => {
@@ -121,8 +120,11 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
             PythonFormatter,
         )),
     };
-    written.map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    Ok(Value::from_safe_string(String::from_utf8_lossy(&out).into_owned()))
+    written
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(Value::from_safe_string(
+        String::from_utf8_lossy(&out).into_owned(),
+    ))
 }
 
 /// Python's default `json.dumps` separators.
@@ -174,13 +176,17 @@ mod tests {
     #[test]
     fn raise_exception_is_a_template_error_with_its_message() {
         let err = render("{{ raise_exception('only user turns') }}", &[]).unwrap_err();
-        assert!(matches!(&err, TextError::Template(m) if m.contains("only user turns")), "{err}");
+        assert!(
+            matches!(&err, TextError::Template(m) if m.contains("only user turns")),
+            "{err}"
+        );
     }
 
     #[test]
     fn tojson_writes_python_separators_without_html_escapes() {
         let mut m = Message::new("user", "x");
-        m.extra.insert("args".into(), serde_json::json!({"a": [1, "<b>"]}));
+        m.extra
+            .insert("args".into(), serde_json::json!({"a": [1, "<b>"]}));
         let out = render("{{ messages[0].args | tojson }}", &[m]).unwrap();
         assert_eq!(out, r#"{"a": [1, "<b>"]}"#);
     }

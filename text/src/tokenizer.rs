@@ -72,21 +72,22 @@ impl Tokenizer {
             .with_padding(None);
 
         let config_path = dir.join("tokenizer_config.json");
-        let config = match std::fs::read(&config_path) {
-            Ok(bytes) => Some(serde_json::from_slice::<Value>(&bytes).map_err(|e| {
-                LoadError::Config {
-                    path: config_path.clone(),
-                    message: e.to_string(),
+        let config =
+            match std::fs::read(&config_path) {
+                Ok(bytes) => Some(serde_json::from_slice::<Value>(&bytes).map_err(|e| {
+                    LoadError::Config {
+                        path: config_path.clone(),
+                        message: e.to_string(),
+                    }
+                })?),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(source) => {
+                    return Err(LoadError::Io {
+                        path: config_path,
+                        source,
+                    })
                 }
-            })?),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(source) => {
-                return Err(LoadError::Io {
-                    path: config_path,
-                    source,
-                })
-            }
-        };
+            };
         let special = config
             .as_ref()
             .map(|c| SpecialTokens {
