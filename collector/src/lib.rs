@@ -19,6 +19,7 @@
 //! - [`fleet`]: gateways' load reports and engines' samples, summed per worker;
 //!   [`fleet_api`]: `/v1/load`; [`scrape`]: the engines' `/metrics` scraper.
 //! - [`state`]: `--state-dir` snapshots.
+//! - [`text`]: the models' tokenizers (`--tokenizer`) for `/tokenize` and text `/query`.
 //! - [`config`]: command line and config file.
 //!
 //! It must not hold the hub's lock across an `.await`, and must not let one engine's bad
@@ -39,6 +40,7 @@ pub mod msgpack;
 pub mod scrape;
 pub mod server;
 pub mod state;
+pub mod text;
 
 pub mod zmq;
 
@@ -67,6 +69,8 @@ pub enum Error {
     Worker { spec: String, source: HubError },
     #[error("serving HTTP: {0}")]
     Io(#[from] std::io::Error),
+    #[error("--tokenizer: {0}")]
+    Tokenizer(#[from] text::TokenizeError),
 }
 
 /// Everything the HTTP handlers and the subscriber tasks share.
@@ -79,6 +83,8 @@ pub struct Shared {
     pub metrics: Metrics,
     /// Gateways' load reports and engines' samples. Lock order: this, then `hub`.
     pub fleet: Mutex<Fleet>,
+    /// Each `--tokenizer` model's tokenizer, loaded once.
+    pub tokenizers: text::Tokenizers,
     subscribers: Mutex<HashMap<WorkerId, JoinHandle<()>>>,
     /// Bumped after every change the subscribers make, so tests and tools can wait for one.
     changed: tokio::sync::watch::Sender<u64>,
@@ -104,7 +110,9 @@ impl Shared {
             max_gateways: config.max_gateways,
             engine_stale: config.engine_stale,
         }));
+        let tokenizers = text::Tokenizers::new(&config.tokenizers, config.text_limits);
         Arc::new(Shared {
+            tokenizers,
             config,
             hub: RwLock::new(hub),
             metrics: Metrics::new(),
@@ -341,6 +349,9 @@ fn new_epoch() -> u64 {
 /// A `--worker` that is invalid or conflicts.
 pub fn start(config: Config) -> Result<AppState, Error> {
     let shared = Shared::new(config);
+    // At start, so a bad directory stops the collector with its path instead of failing
+    // requests later.
+    shared.tokenizers.load_all(&shared.metrics)?;
     let mut resume = Vec::new();
     if let Some(dir) = shared.config.state_dir.clone() {
         resume = load_state(&shared, &dir);
