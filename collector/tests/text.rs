@@ -345,3 +345,111 @@ async fn a_tokenizer_is_loaded_once_and_at_start() {
     let err = kvroute_collector::start(bad).unwrap_err().to_string();
     assert!(err.contains("/nonexistent/tok"), "{err}");
 }
+
+/// The whole exact path: a simulated engine with the same Qwen3 tokenizer serves a chat and
+/// publishes KV events of the ids it computed; the collector, asked with the same messages,
+/// finds the engine holding every full block of the chat's ids from `/tokenize`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_served_by_a_sim_engine_is_found_by_a_text_query() {
+    use kvroute::api::RegisterRequest;
+    use kvroute_sim::cache::CacheConfig;
+    use kvroute_sim::engine::{Engine, EngineConfig};
+    use kvroute_sim::tokenizer::TextTokenizer;
+
+    let engine = Engine::start(EngineConfig {
+        name: "e1".into(),
+        model: MODEL.into(),
+        cache: CacheConfig {
+            block_size_tokens: 16,
+            capacity_blocks: 1000,
+        },
+        speed: 1000.0,
+        events_endpoint: Some("tcp://127.0.0.1:0".into()),
+        replay_endpoint: Some("tcp://127.0.0.1:0".into()),
+        tokenizer: TextTokenizer::from_dir(&qwen3_dir()).unwrap(),
+        ..EngineConfig::default()
+    })
+    .await
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = engine.app();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let state = Shared::new(text_config());
+    let (endpoint, replay) = engine.event_endpoints().remove(0);
+    state
+        .register(RegisterRequest {
+            instance_id: "e1".into(),
+            endpoint,
+            replay_endpoint: replay,
+            model_name: MODEL.into(),
+            tenant_id: None,
+            block_size: 16,
+            dp_rank: None,
+            lora_name: None,
+            cache_salt: None,
+            address: Some("127.0.0.1:1".into()),
+        })
+        .unwrap();
+
+    let messages = json!([
+        {"role": "system", "content": "You are a careful assistant. Answer in one short paragraph, cite nothing, and never use lists."},
+        {"role": "user", "content": [{"type": "text", "text": "Why do LLM servers keep a prefix cache of KV blocks?"}]},
+        {"role": "assistant", "content": "So repeated prompt prefixes skip prefill."},
+        {"role": "user", "content": "And how does a router use it? 路由器如何使用它？"}
+    ]);
+    let (s, v) = post(
+        &state,
+        "/tokenize",
+        json!({"model": MODEL, "messages": messages}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let ids = ids_of(&v);
+    assert!(ids.len() >= 64, "{} ids", ids.len());
+
+    let client = reqwest::Client::new();
+    // The engine computes the same ids.
+    let engine_ids: Value = client
+        .post(format!("{url}/tokenize"))
+        .json(&json!({"model": MODEL, "messages": messages}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(engine_ids["tokens"], json!(ids));
+
+    // Serve the chat (its blocks are published when admitted) until the collector sees them.
+    let full_blocks = (ids.len() / 16 * 16) as u64;
+    let until = tokio::time::Instant::now() + crate::common::DEADLINE;
+    loop {
+        let r = client
+            .post(format!("{url}/v1/chat/completions"))
+            .json(&json!({"model": MODEL, "messages": messages, "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["object"], "chat.completion");
+        assert_eq!(body["usage"]["prompt_tokens"], ids.len());
+        let (s, v) = post(
+            &state,
+            "/query",
+            json!({"model_name": MODEL, "tenant_id": "default", "messages": messages}),
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        if v["instances"]["e1"]["longest_matched"].as_u64() == Some(full_blocks) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the collector never matched {full_blocks} tokens: {v}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
