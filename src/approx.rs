@@ -33,7 +33,7 @@ use std::borrow::Cow;
 use serde::Deserialize;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::mirror::{spec_insert, spec_lookup, stored_depths, Insert, Store, StoreError};
+use crate::mirror::{spec_entry, spec_insert, stored_depths, Insert, Store, StoreError};
 use crate::scope::{BlockKey, ScopeId};
 
 /// Entries of one shard value (12 KiB of shared data).
@@ -236,6 +236,18 @@ impl TextTable {
     /// The recorded holders of `hashes`' prefixes: walks the stored depths from the shallowest
     /// and stops at the first one nobody holds (a cold prompt costs one read).
     pub fn lookup<S: Store>(&self, store: &S, hashes: &[TextHash], now_ms: u64) -> TextMatch {
+        self.lookup_since(store, hashes, now_ms, 0)
+    }
+
+    /// [`TextTable::lookup`] of the entries recorded at or after `since_ms` only: the
+    /// decisions so recent that the engines' own KV events may not show them yet.
+    pub fn lookup_since<S: Store>(
+        &self,
+        store: &S,
+        hashes: &[TextHash],
+        now_ms: u64,
+        since_ms: u64,
+    ) -> TextMatch {
         let mut m = TextMatch::default();
         let mut cached: Option<(u32, Vec<u8>)> = None;
         let n = u32::try_from(hashes.len()).unwrap_or(u32::MAX);
@@ -254,7 +266,10 @@ impl TextTable {
                 cached = Some((shard, value));
             }
             let table = cached.as_ref().map_or(&[][..], |c| c.1.as_slice());
-            let Some((slot, held)) = spec_lookup(table, BlockKey(h.0), now_ms) else {
+            let recorded = |expires: u64| expires.saturating_sub(self.ttl_ms) >= since_ms;
+            let Some((slot, held, _)) =
+                spec_entry(table, BlockKey(h.0), now_ms).filter(|e| recorded(e.2))
+            else {
                 break;
             };
             let depth = held.min(d);
@@ -439,6 +454,12 @@ mod tests {
         assert_eq!(t.lookup(&store, &b, 10).holders, [(3, 4)]);
         t.record(&store, &b[..2], 5, 10, 8);
         assert_eq!(t.lookup(&store, &a, 20).holders, [(3, 10), (5, 2)]);
+        assert_eq!(
+            t.lookup_since(&store, &a, 20, 5).holders,
+            [(5, 2)],
+            "recorded at 10"
+        );
+        assert_eq!(t.lookup_since(&store, &a, 20, 11).holders, []);
         assert_eq!(
             t.lookup(&store, &a, 1000).holders,
             [(5, 2)],

@@ -344,3 +344,32 @@ fn a_long_text_under_the_body_limit_routes() {
     assert!(debug(&o).contains("outcome=routed;"), "{}", debug(&o));
     assert!(gw.errors().is_empty());
 }
+
+#[test]
+fn exact_siblings_follow_a_recent_decision_before_the_events_do() {
+    let (mut gw, feed) = setup(json!({}));
+    // The collector tokenizes but holds nothing yet (the engine's KV events are not in).
+    feed.on_query(|_| {
+        CalloutReply::Response(Response::ok(
+            r#"{"block_size":16,"query_blocks":64,"instances":{}}"#,
+        ))
+    });
+    let doc = text("burst", 4096);
+    let first = completion(&mut gw, "m", &doc);
+    assert!(
+        debug(&first).contains("outcome=routed_cold"),
+        "{}",
+        debug(&first)
+    );
+    let engine = best(&first).unwrap().to_owned();
+    for i in 0..4 {
+        let o = completion(&mut gw, "m", &format!("{doc} sibling {i}"));
+        assert_eq!(best(&o), Some(engine.as_str()), "sibling {i}");
+        assert!(debug(&o).contains("outcome=routed;"), "{}", debug(&o));
+        assert!(debug(&o).contains("text=exact"));
+    }
+    // Past the speculative time-to-live the exact answer alone decides: cold again.
+    gw.advance(Duration::from_millis(2100));
+    let o = completion(&mut gw, "m", &format!("{doc} late"));
+    assert!(debug(&o).contains("outcome=routed_cold"), "{}", debug(&o));
+}

@@ -53,7 +53,7 @@ pub use load::{
     load_add, load_clear_stale, load_entries, load_get, load_update, Load, LoadDelta, LoadId,
 };
 pub use meta::{Alias, ApplyStats, Meta, WorkerSlot};
-pub use speculative::{spec_insert, spec_lookup, stored_depths, Insert, PROBE};
+pub use speculative::{spec_entry, spec_insert, spec_lookup, stored_depths, Insert, PROBE};
 pub use store::{MemStore, Store, StoreError};
 pub use sync::{
     acquire_lease, apply_page, next_vm_id, read_state, Applied, Build, Lease, SyncError, SyncState,

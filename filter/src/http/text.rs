@@ -15,7 +15,9 @@
 //!    stale (the collector down): the table is the filter's own knowledge.
 //!
 //! Every text decision, exact or approximate, records its engine in the table, so approximate
-//! mode learns from exact answers too.
+//! mode learns from exact answers too; and an exact answer takes the table's decisions younger
+//! than `route.speculative_ttl_ms` as held, so a burst of siblings sharing a prompt follows
+//! the first before the engine's KV events reach the collector.
 
 use kvroute::api::QueryResponse;
 use kvroute::approx::{self, TextTable, CHARS_PER_TOKEN};
@@ -236,6 +238,30 @@ impl Http {
         }
         if matches.is_empty() && !resp.instances.is_empty() {
             return false;
+        }
+        // Text decisions younger than the speculative time-to-live count as held (GPU tier),
+        // as for token requests: siblings arriving before the engine's KV events follow.
+        // Their characters are converted to the answer's blocks and never exceed the query.
+        if !cfg.speculative_ttl.is_zero() {
+            let now = host::now_ms();
+            let since = now.saturating_sub(millis(cfg.speculative_ttl));
+            let recent = table(vm, cfg).lookup_since(&store, &self.text_hashes, now, since);
+            let chars_per_block = u64::from(CHARS_PER_TOKEN) * bs;
+            for (slot, depth) in recent.holders {
+                let est = u64::from(depth) * u64::from(cfg.text.block_chars) / chars_per_block;
+                let b = (est.min(u64::from(resp.query_blocks))) as u32;
+                match matches.iter_mut().find(|m| m.worker.0 == slot) {
+                    Some(m) => {
+                        for x in &mut m.blocks {
+                            *x = (*x).max(b);
+                        }
+                    }
+                    None => matches.push(WorkerMatch {
+                        worker: WorkerId(slot),
+                        blocks: [b; 3],
+                    }),
+                }
+            }
         }
         let (model, _) = cache.meta.resolve(&scope.tenant, &scope.served);
         let model = model.to_owned();
