@@ -363,6 +363,8 @@ class StackConfig:
     profile: str | None = None
     # Extra arguments for every `kvroute-sim engine` (cost model, capacity, ...).
     engine_args: list[str] = field(default_factory=list)
+    # Extra arguments for the collector (e.g. `--tokenizer MODEL=DIR` for text requests).
+    collector_args: list[str] = field(default_factory=list)
     envoy_concurrency: int = 2
     # Extra template values for envoy.yaml (e.g. {"INDEX_MODE": "remote"}).
     envoy_values: dict[str, object] = field(default_factory=dict)
@@ -511,7 +513,7 @@ class Stack:
         argv = [str(self.bin / "kvroute-collector"), "--listen", f"127.0.0.1:{self.collector_port}"]
         for e in self.engines:
             argv += ["--worker", self.worker_spec(e)]
-        return argv
+        return argv + list(self.cfg.collector_args)
 
     def start_collector(self, timeout: float = 30.0) -> None:
         self.collector = Proc("collector", self.collector_argv(), self.workdir / "collector.log",

@@ -298,6 +298,12 @@ pub enum FieldKind {
     Str,
     /// A non-negative integer (`max_tokens`, say).
     Uint,
+    /// An array of token ids or, failing that, a string (a completions `prompt` holds either):
+    /// [`Found::Tokens`] or [`Found::Str`].
+    TokensOrText,
+    /// Any value, kept as its raw byte span ([`Found::Raw`]): a chat `messages` array, passed
+    /// on verbatim or read later by whoever needs it.
+    Raw,
 }
 
 /// What the scanner found for one field.
@@ -327,6 +333,13 @@ pub enum Found {
     },
     /// A non-negative integer that fits in 64 bits.
     Uint(u64),
+    /// A value's raw bytes `body[start..end]`, checked to be well-formed JSON.
+    Raw {
+        /// Offset of the value's first byte.
+        start: usize,
+        /// One past its last byte.
+        end: usize,
+    },
 }
 
 /// Scans a JSON object body once, filling `found[i]` for `fields[i]` (its first occurrence)
@@ -379,6 +392,20 @@ pub fn scan_json<S: AsRef<str>>(
                 Some(fi) if found.get(fi) == Some(&Found::Absent) => {
                     let value = match fields[fi].1 {
                         FieldKind::Tokens => p.token_array(tokens, max_tokens)?,
+                        FieldKind::TokensOrText if p.peek() == Some(b'"') => {
+                            let (start, end, escaped) = p.string()?;
+                            Found::Str {
+                                start,
+                                end,
+                                escaped,
+                            }
+                        }
+                        FieldKind::TokensOrText => p.token_array(tokens, max_tokens)?,
+                        FieldKind::Raw => {
+                            let start = p.i;
+                            p.skip_value()?;
+                            Found::Raw { start, end: p.i }
+                        }
                         FieldKind::Str => {
                             if p.peek() == Some(b'"') {
                                 let (start, end, escaped) = p.string()?;
@@ -1019,6 +1046,51 @@ mod tests {
         ));
         assert!(scan(r#"{}"#).is_ok());
         assert!(scan(" {\"x\" : [ ] , \"y\":{ } } ").is_ok());
+    }
+
+    #[test]
+    fn text_prompts_and_message_spans_are_found() {
+        let fields = [
+            ("prompt", FieldKind::TokensOrText),
+            ("messages", FieldKind::Raw),
+        ];
+        let mut t = Vec::new();
+        let mut f = [Found::Absent; 2];
+        let body = r#"{"messages": [{"role":"user","content":"h\u00e9"}] ,"prompt":"a\nb"}"#;
+        scan_json(body.as_bytes(), &fields, &mut t, &mut f, 10).unwrap();
+        let Found::Raw { start, end } = f[1] else {
+            panic!("{:?}", f[1])
+        };
+        assert_eq!(
+            &body[start..end],
+            r#"[{"role":"user","content":"h\u00e9"}]"#
+        );
+        let Found::Str {
+            start,
+            end,
+            escaped: true,
+        } = f[0]
+        else {
+            panic!("{:?}", f[0])
+        };
+        assert_eq!(
+            unescape(&body.as_bytes()[start..end]).as_deref(),
+            Some("a\nb")
+        );
+        // Token ids still read as tokens; anything else is `Other`, a broken span an error.
+        scan_json(br#"{"prompt":[1,2]}"#, &fields, &mut t, &mut f, 10).unwrap();
+        assert_eq!(f[0], Found::Tokens { start: 0, end: 2 });
+        scan_json(
+            br#"{"prompt":7,"messages":null}"#,
+            &fields,
+            &mut t,
+            &mut f,
+            10,
+        )
+        .unwrap();
+        assert_eq!(f[0], Found::Other);
+        assert_eq!(f[1], Found::Raw { start: 23, end: 27 });
+        assert!(scan_json(br#"{"messages":[{"a":}]}"#, &fields, &mut t, &mut f, 10).is_err());
     }
 
     #[test]

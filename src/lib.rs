@@ -18,10 +18,17 @@
 //!    destination header, and [`mirror::load_update`] books the load until the request ends.
 //!    Remote mode asks the collector instead and feeds its answer to
 //!    [`route::remote_contenders`] → the same [`route::decide`].
+//! 7. filter, a text request (no token ids; a `prompt` string or chat `messages` found by
+//!    [`intake::scan_json`]): the collector tokenizes it (`/query` with the text, answered
+//!    like a token query → the same decision); without a tokenizer or an answer,
+//!    [`approx`] cuts the canonical text into character blocks, chain-hashes them, and the
+//!    engines recorded for the longest prefix ([`approx::TextTable::lookup`]) feed
+//!    [`route::Roster::contenders`] → the same [`route::decide`].
 
 #![warn(missing_docs)]
 
 pub mod api;
+pub mod approx;
 pub mod codec;
 pub mod event;
 pub mod feed;

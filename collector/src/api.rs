@@ -4,9 +4,9 @@
 //! Every error is a 4xx (or 5xx) with `{"error": "..."}` naming the problem: bodies are read as
 //! bytes and parsed here, so malformed JSON, wrong types, oversized bodies and bad query
 //! strings all get the same JSON shape. Admin endpoints (`/register`, `/unregister`) require
-//! `Authorization: Bearer <admin token>` and read endpoints (`/query*`, `/workers`, `/v1/feed`,
-//! `/v1/load`, `/v1/fleet/overview`) the read token, when the collector has one. `/health`,
-//! `/metrics` and the fleet page's static files (`/ui/`) are open.
+//! `Authorization: Bearer <admin token>` and read endpoints (`/query*`, `/tokenize`, `/workers`,
+//! `/v1/feed`, `/v1/load`, `/v1/fleet/overview`) the read token, when the collector has one.
+//! `/health`, `/metrics` and the fleet page's static files (`/ui/`) are open.
 
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,7 @@ use serde::Deserialize;
 use crate::edge;
 use crate::hub::{HubError, Registered};
 use crate::metrics::{EndpointLabels, FeedLabels};
+use crate::text::{TextQueryRequest, TokenizeError, TokenizeRequest, TokenizeResponse};
 use crate::AppState;
 use kvroute::api::{
     ErrorBody, QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest,
@@ -76,6 +77,19 @@ impl From<HubError> for ApiError {
     }
 }
 
+impl From<TokenizeError> for ApiError {
+    fn from(e: TokenizeError) -> ApiError {
+        let status = match &e {
+            TokenizeError::NoTokenizer(_) => StatusCode::NOT_FOUND,
+            TokenizeError::Text(t) if t.is_too_large() => StatusCode::PAYLOAD_TOO_LARGE,
+            TokenizeError::Text(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            TokenizeError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            TokenizeError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, e.to_string())
+    }
+}
+
 /// Builds the router over a collector state.
 pub fn app(state: AppState) -> Router {
     let limits = edge::RequestLimits {
@@ -91,6 +105,7 @@ pub fn app(state: AppState) -> Router {
         .route("/workers", get(workers))
         .route("/query", post(query))
         .route("/query_by_hash", post(query_by_hash))
+        .route("/tokenize", post(tokenize))
         .route("/v1/feed", get(feed))
         .route(
             "/v1/load",
@@ -233,6 +248,10 @@ async fn query(
     let req: QueryRequest = match body {
         Ok(bytes) => match crate::fastjson::parse_query(&bytes) {
             Some(q) => q,
+            // Text goes through its own parse: the token-id fast path stays as it is.
+            None if crate::text::is_text_query(&bytes) => {
+                return query_text(state, bytes, started).await
+            }
             None => json(Ok(bytes))?,
         },
         Err(rej) => json(Err(rej))?,
@@ -247,6 +266,60 @@ async fn query(
     let out = Json(res).into_response();
     observe(&state, "query", started.elapsed());
     Ok(out)
+}
+
+/// `/query` with `prompt` or `messages`: tokenized with the model's tokenizer, then answered
+/// exactly as the token-id query of those ids.
+async fn query_text(state: AppState, bytes: Bytes, started: Instant) -> Result<Response, ApiError> {
+    let req: TextQueryRequest = json(Ok(bytes))?;
+    if req.token_ids.is_some() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "give exactly one of token_ids, prompt, messages",
+        ));
+    }
+    let input = crate::text::text_input(req.prompt, req.messages, req.add_generation_prompt)
+        .map_err(|msg| ApiError::new(StatusCode::BAD_REQUEST, msg))?;
+    let ids = state
+        .tokenizers
+        .encode(&req.model_name, input, "query", &state.metrics)
+        .await?;
+    let tenant = req.tenant_id.map(crate::text::StringOrNumber::into_string);
+    let res = state.read().query_tokens(
+        &ids,
+        &req.model_name,
+        tenant.as_deref(),
+        req.lora_name.as_deref(),
+        req.cache_salt.as_deref(),
+    )?;
+    let out = Json(res).into_response();
+    observe(&state, "query_text", started.elapsed());
+    Ok(out)
+}
+
+/// `POST /tokenize`: the ids the model's engine computes for a prompt or chat messages.
+async fn tokenize(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: TokenizeRequest = json(body)?;
+    let input = crate::text::text_input(req.prompt, req.messages, req.add_generation_prompt)
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "give exactly one of prompt, messages",
+            )
+        })?;
+    let token_ids = state
+        .tokenizers
+        .encode(&req.model, input, "tokenize", &state.metrics)
+        .await?;
+    Ok(Json(TokenizeResponse {
+        model: req.model,
+        count: token_ids.len(),
+        token_ids,
+    })
+    .into_response())
 }
 
 async fn query_by_hash(

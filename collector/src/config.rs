@@ -141,6 +141,18 @@ pub struct Cli {
     /// Largest engine /metrics page read; reading stops there [default: 1048576].
     #[arg(long, value_name = "BYTES")]
     pub max_metrics_bytes: Option<usize>,
+    /// A model's Hugging Face tokenizer for text requests: MODEL=DIR, DIR holding tokenizer.json (and tokenizer_config.json for the chat template). Repeatable.
+    #[arg(long = "tokenizer", value_name = "MODEL=DIR")]
+    pub tokenizers: Vec<String>,
+    /// Most --tokenizer models (each holds its vocabulary in memory, ~50-100 MB) [default: 16].
+    #[arg(long, value_name = "N")]
+    pub max_tokenizers: Option<usize>,
+    /// Largest text of one text request (a prompt, or all messages' content), bytes; more gets 413 [default: 1048576].
+    #[arg(long, value_name = "BYTES")]
+    pub max_text_bytes: Option<usize>,
+    /// Most messages in one chat request; more gets 413 [default: 2048].
+    #[arg(long, value_name = "N")]
+    pub max_messages: Option<usize>,
 }
 
 /// The `--config` file.
@@ -183,6 +195,20 @@ pub struct FileConfig {
     pub scrape_timeout_secs: Option<f64>,
     pub engine_stale_secs: Option<f64>,
     pub max_metrics_bytes: Option<usize>,
+    #[serde(default, alias = "tokenizers")]
+    pub tokenizer: Vec<String>,
+    pub max_tokenizers: Option<usize>,
+    pub max_text_bytes: Option<usize>,
+    pub max_messages: Option<usize>,
+}
+
+/// `--tokenizer MODEL=DIR`: where a served model's tokenizer lives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenizerSpec {
+    /// The model name requests carry (`model` / `model_name`).
+    pub model: String,
+    /// Directory with `tokenizer.json` (and `tokenizer_config.json`).
+    pub dir: PathBuf,
 }
 
 /// The validated settings.
@@ -229,6 +255,10 @@ pub struct Config {
     pub scrape_timeout: Duration,
     pub engine_stale: Duration,
     pub max_metrics_bytes: usize,
+    /// Tokenizers for text requests, one per model.
+    pub tokenizers: Vec<TokenizerSpec>,
+    /// Size limits of text requests.
+    pub text_limits: kvroute_text::Limits,
 }
 
 impl Default for Config {
@@ -266,9 +296,14 @@ impl Default for Config {
             scrape_timeout: Duration::from_millis(250),
             engine_stale: Duration::from_secs(2),
             max_metrics_bytes: 1 << 20,
+            tokenizers: Vec::new(),
+            text_limits: kvroute_text::Limits::default(),
         }
     }
 }
+
+/// Most `--tokenizer` models by default.
+pub const DEFAULT_MAX_TOKENIZERS: usize = 16;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
@@ -278,6 +313,8 @@ pub enum ConfigError {
     Worker { spec: String, msg: String },
     #[error("--{flag}: {msg}")]
     Value { flag: &'static str, msg: String },
+    #[error("--tokenizer {spec:?}: {msg}")]
+    Tokenizer { spec: String, msg: String },
     #[error("--listen {listen} is not loopback and no --admin-token is set: anyone who reaches it could /register endpoints; set --admin-token, or pass --insecure-no-auth to accept that")]
     OpenWithoutAuth { listen: SocketAddr },
 }
@@ -359,6 +396,28 @@ impl Cli {
             .iter()
             .map(|s| parse_worker_spec(s))
             .collect::<Result<Vec<_>, _>>()?;
+        let mut tokenizer_specs = file.tokenizer.clone();
+        tokenizer_specs.extend(self.tokenizers.iter().cloned());
+        let tokenizers = parse_tokenizer_specs(
+            &tokenizer_specs,
+            positive(
+                "max-tokenizers",
+                self.max_tokenizers.or(file.max_tokenizers),
+                DEFAULT_MAX_TOKENIZERS,
+            )?,
+        )?;
+        let text_limits = kvroute_text::Limits {
+            max_text_bytes: positive(
+                "max-text-bytes",
+                self.max_text_bytes.or(file.max_text_bytes),
+                d.text_limits.max_text_bytes,
+            )?,
+            max_messages: positive(
+                "max-messages",
+                self.max_messages.or(file.max_messages),
+                d.text_limits.max_messages,
+            )?,
+        };
         let max_blocks_per_worker = positive(
             "max-blocks-per-worker",
             self.max_blocks_per_worker.or(file.max_blocks_per_worker),
@@ -524,8 +583,47 @@ impl Cli {
                 self.max_metrics_bytes.or(file.max_metrics_bytes),
                 d.max_metrics_bytes,
             )?,
+            tokenizers,
+            text_limits,
         })
     }
+}
+
+/// Parses `--tokenizer MODEL=DIR` specs: a model at most once, at most `max` of them.
+///
+/// # Errors
+/// A spec without `=`, an empty model or directory, a model given twice, or too many.
+pub fn parse_tokenizer_specs(
+    specs: &[String],
+    max: usize,
+) -> Result<Vec<TokenizerSpec>, ConfigError> {
+    let mut out: Vec<TokenizerSpec> = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let err = |msg: &str| ConfigError::Tokenizer {
+            spec: spec.clone(),
+            msg: msg.to_owned(),
+        };
+        // Split at the first '=': directories may hold one, served model names do not.
+        let (model, dir) = spec.split_once('=').ok_or_else(|| err("want MODEL=DIR"))?;
+        let (model, dir) = (model.trim(), dir.trim());
+        if model.is_empty() || dir.is_empty() {
+            return Err(err("want MODEL=DIR, both non-empty"));
+        }
+        if out.iter().any(|s| s.model == model) {
+            return Err(err("model given twice"));
+        }
+        out.push(TokenizerSpec {
+            model: model.to_owned(),
+            dir: PathBuf::from(dir),
+        });
+    }
+    if out.len() > max {
+        return Err(ConfigError::Value {
+            flag: "max-tokenizers",
+            msg: format!("{} --tokenizer models, over the limit of {max}", out.len()),
+        });
+    }
+    Ok(out)
 }
 
 /// Parses a `--worker` SPEC into the registration it stands for.
@@ -694,6 +792,52 @@ mod tests {
             parse(&["--header-read-timeout-secs", "0"]),
             Err(ConfigError::Value { .. })
         ));
+    }
+
+    #[test]
+    fn tokenizer_specs_parse_and_are_bounded() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["kvroute-collector"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(all).unwrap().into_config()
+        };
+        let c = parse(&["--tokenizer", "qwen=/models/q=1", "--max-text-bytes", "10"]).unwrap();
+        assert_eq!(
+            c.tokenizers,
+            [TokenizerSpec {
+                model: "qwen".into(),
+                dir: "/models/q=1".into()
+            }]
+        );
+        assert_eq!(c.text_limits.max_text_bytes, 10);
+        assert!(matches!(
+            parse(&["--tokenizer", "nodir"]),
+            Err(ConfigError::Tokenizer { .. })
+        ));
+        assert!(matches!(
+            parse(&["--tokenizer", "a=/x", "--tokenizer", "a=/y"]),
+            Err(ConfigError::Tokenizer { .. })
+        ));
+        assert!(matches!(
+            parse(&[
+                "--tokenizer",
+                "a=/x",
+                "--tokenizer",
+                "b=/y",
+                "--max-tokenizers",
+                "1"
+            ]),
+            Err(ConfigError::Value {
+                flag: "max-tokenizers",
+                ..
+            })
+        ));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "tokenizer = [\"m=/t\"]\nmax_messages = 3\n").unwrap();
+        let c = parse(&["--config", path.to_str().unwrap()]).unwrap();
+        assert_eq!(c.tokenizers[0].model, "m");
+        assert_eq!(c.text_limits.max_messages, 3);
     }
 
     #[test]

@@ -4,12 +4,13 @@
 //! intake uses ([`kvroute::intake::scan_json`]). The common shape (a `token_ids` array of
 //! integers, string fields) takes this path; anything else (numeric or null fields, two
 //! aliases of one field, errors) returns `None` and the caller uses `serde_json`, which also
-//! words the error messages.
+//! words the error messages. A body naming `prompt` or `messages` is a text query (or an
+//! ambiguous one): `None`, so the caller's text parse decides.
 
 use kvroute::api::QueryRequest;
 use kvroute::intake::{scan_json, unescape, FieldKind, Found};
 
-const FIELDS: [(&str, FieldKind); 9] = [
+const FIELDS: [(&str, FieldKind); 11] = [
     ("token_ids", FieldKind::Tokens),
     ("model_name", FieldKind::Str),
     ("model", FieldKind::Str),
@@ -19,6 +20,9 @@ const FIELDS: [(&str, FieldKind); 9] = [
     ("cache_salt", FieldKind::Str),
     ("additionalsalt", FieldKind::Str),
     ("additional_salt", FieldKind::Str),
+    // Only their presence matters (any value kind is seen as `Str` or `Other`).
+    ("prompt", FieldKind::Str),
+    ("messages", FieldKind::Str),
 ];
 
 /// Parses a `/query` body, or `None` to fall back to `serde_json`.
@@ -29,6 +33,9 @@ pub fn parse_query(body: &[u8]) -> Option<QueryRequest> {
     let Found::Tokens { .. } = found[0] else {
         return None;
     };
+    if found[9] != Found::Absent || found[10] != Found::Absent {
+        return None;
+    }
     // `Some(None)`: absent; `None`: present but not a plain string (serde decides).
     let string = |f: Found| -> Option<Option<String>> {
         match f {
@@ -46,7 +53,7 @@ pub fn parse_query(body: &[u8]) -> Option<QueryRequest> {
                 };
                 Some(Some(s))
             }
-            Found::Other | Found::Tokens { .. } | Found::Uint(_) => None,
+            Found::Other | Found::Tokens { .. } | Found::Uint(_) | Found::Raw { .. } => None,
         }
     };
     // Aliases of one field: exactly one may be present, as serde requires.

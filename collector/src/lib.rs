@@ -20,6 +20,7 @@
 //!   [`fleet_api`]: `/v1/load`; [`scrape`]: the engines' `/metrics` scraper.
 //! - [`state`]: `--state-dir` snapshots.
 //! - [`ui`]: the fleet page (`/ui/`) and its `/v1/fleet/overview`.
+//! - [`text`]: the models' tokenizers (`--tokenizer`) for `/tokenize` and text `/query`.
 //! - [`config`]: command line and config file.
 //!
 //! It must not hold the hub's lock across an `.await`, and must not let one engine's bad
@@ -40,6 +41,7 @@ pub mod msgpack;
 pub mod scrape;
 pub mod server;
 pub mod state;
+pub mod text;
 pub mod ui;
 
 pub mod zmq;
@@ -69,6 +71,8 @@ pub enum Error {
     Worker { spec: String, source: HubError },
     #[error("serving HTTP: {0}")]
     Io(#[from] std::io::Error),
+    #[error("--tokenizer: {0}")]
+    Tokenizer(#[from] text::TokenizeError),
 }
 
 /// Everything the HTTP handlers and the subscriber tasks share.
@@ -81,6 +85,8 @@ pub struct Shared {
     pub metrics: Metrics,
     /// Gateways' load reports and engines' samples. Lock order: this, then `hub`.
     pub fleet: Mutex<Fleet>,
+    /// Each `--tokenizer` model's tokenizer, loaded once.
+    pub tokenizers: text::Tokenizers,
     subscribers: Mutex<HashMap<WorkerId, JoinHandle<()>>>,
     /// Bumped after every change the subscribers make, so tests and tools can wait for one.
     changed: tokio::sync::watch::Sender<u64>,
@@ -106,7 +112,9 @@ impl Shared {
             max_gateways: config.max_gateways,
             engine_stale: config.engine_stale,
         }));
+        let tokenizers = text::Tokenizers::new(&config.tokenizers, config.text_limits);
         Arc::new(Shared {
+            tokenizers,
             config,
             hub: RwLock::new(hub),
             metrics: Metrics::new(),
@@ -343,6 +351,9 @@ fn new_epoch() -> u64 {
 /// A `--worker` that is invalid or conflicts.
 pub fn start(config: Config) -> Result<AppState, Error> {
     let shared = Shared::new(config);
+    // At start, so a bad directory stops the collector with its path instead of failing
+    // requests later.
+    shared.tokenizers.load_all(&shared.metrics)?;
     let mut resume = Vec::new();
     if let Some(dir) = shared.config.state_dir.clone() {
         resume = load_state(&shared, &dir);

@@ -58,6 +58,13 @@ pub struct FeedLabels {
     pub kind: &'static str,
 }
 
+/// `/tokenize` and text `/query` requests: which endpoint, which input (`prompt`, `messages`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TextLabels {
+    pub endpoint: &'static str,
+    pub input: &'static str,
+}
+
 type HistogramFamily = Family<EndpointLabels, Histogram, fn() -> Histogram>;
 
 fn query_histogram() -> Histogram {
@@ -118,6 +125,14 @@ pub struct Metrics {
     pub ingest_slices: Counter,
     /// State files refused on start (unreadable or inconsistent) and moved aside.
     pub state_rejected: Counter,
+    /// Text requests (`/tokenize`, `/query` with `prompt` or `messages`).
+    pub text_requests: Family<TextLabels, Counter>,
+    /// Text requests refused, by kind (`no_tokenizer`, `too_large`, `bad_messages`, ...).
+    pub text_errors: Family<ReasonLabels, Counter>,
+    /// Time to render and tokenize one text request, seconds.
+    pub tokenize_seconds: Histogram,
+    /// Tokenizers loaded (each model's once).
+    pub tokenizers_loaded: Counter,
     /// Gateway load reports accepted (`POST /v1/load`).
     pub load_reports: Counter,
     /// Gateway load reports refused, by reason.
@@ -197,6 +212,10 @@ impl Metrics {
             ingest_lag_seconds: Gauge::default(),
             ingest_slices: Counter::default(),
             state_rejected: Counter::default(),
+            text_requests: Family::default(),
+            text_errors: Family::default(),
+            tokenize_seconds: query_histogram(),
+            tokenizers_loaded: Counter::default(),
             load_reports: Counter::default(),
             load_refused: Family::default(),
             fleet_gateways: Gauge::default(),
@@ -315,6 +334,26 @@ impl Metrics {
             "state_rejected",
             "State files refused on start and moved aside",
             m.state_rejected.clone(),
+        );
+        registry.register(
+            "text_requests",
+            "Text requests (/tokenize, /query with prompt or messages), by endpoint and input",
+            m.text_requests.clone(),
+        );
+        registry.register(
+            "text_errors",
+            "Text requests refused, by kind",
+            m.text_errors.clone(),
+        );
+        registry.register(
+            "tokenize_duration_seconds",
+            "Time to render and tokenize one text request",
+            m.tokenize_seconds.clone(),
+        );
+        registry.register(
+            "tokenizers_loaded",
+            "Tokenizers loaded (once per model)",
+            m.tokenizers_loaded.clone(),
         );
         registry.register(
             "load_reports",

@@ -16,3 +16,5 @@ mod hostile;
 mod fleet_common;
 mod fleet_load;
 mod fleet_scrape;
+// Text requests: /tokenize and /query with prompt or messages, on the real Qwen3 tokenizer.
+mod text;

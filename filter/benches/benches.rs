@@ -273,6 +273,54 @@ fn main() {
         });
         println!("| {size} | {f_base} | {f_hdr} | {f_body} | {f_route} |");
     }
+    // Text requests (chat messages, no token ids): the exact path on a canned `/query` answer
+    // (the callout's round trip is not fuel), then approximate mode (the collector said 404
+    // once; the model is then known to have no tokenizer and no callout is made).
+    println!("\n| text chars (≈ tokens) | fuel: exact (answer parsed, routed, prefixes recorded) | approximate (table lookup, decision, record) |");
+    println!("|---|---|---|");
+    let answer = serde_json::json!({"block_size": BS, "query_blocks": 64, "instances":
+        (0..WORKERS).map(|w| (format!("i{w}"), serde_json::json!({"address": format!("10.0.0.{}:8000", w + 1),
+            "longest_matched": 16 * w, "gpu": 16 * w, "cpu": 16 * w, "disk": 16 * w, "dp": {"0": 16 * w}})))
+            .collect::<serde_json::Map<_, _>>()})
+    .to_string();
+    let chats: Vec<(usize, Vec<u8>)> = [4096usize, 32_768, 131_072]
+        .into_iter()
+        .map(|chars| {
+            let doc: String = "The quick brown fox jumps over the lazy dog; "
+                .chars()
+                .cycle()
+                .take(chars)
+                .collect();
+            let body = serde_json::json!({"model": "m", "messages": [
+                {"role": "system", "content": doc},
+                {"role": "user", "content": "What does the fox do?"}]});
+            (chars, serde_json::to_vec(&body).unwrap())
+        })
+        .collect();
+    let mut exact = Vec::new();
+    gw.cluster("kvroute_collector", move |c| {
+        if c.path() == "/query" {
+            CalloutReply::Response(Response::ok(answer.clone()))
+        } else {
+            CalloutReply::Response(Response::new(503))
+        }
+    });
+    for (_, body) in &chats {
+        exact.push(fuel(&mut gw, |r| {
+            r.header("content-type", "application/json")
+                .body(body.clone())
+        }));
+    }
+    gw.cluster("kvroute_collector", |_| {
+        CalloutReply::Response(Response::new(404).body("{}"))
+    });
+    for ((chars, body), f_exact) in chats.iter().zip(exact) {
+        let f_approx = fuel(&mut gw, |r| {
+            r.header("content-type", "application/json")
+                .body(body.clone())
+        });
+        println!("| {chars} (≈ {}) | {f_exact} | {f_approx} |", chars / 4);
+    }
     // Reads per request against the index size, for an 8k-token prompt.
     println!("\n| index blocks (4 distinct lengths) | bucket reads/request (8k tokens) |");
     println!("|---|---|");

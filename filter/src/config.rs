@@ -2,6 +2,10 @@
 //! into raw structs that refuse unknown keys, then validated into [`Config`].
 //!
 //! Every key but `collector.cluster` has a default; see filter/README.md for the table.
+//!
+//! One concern: every key of the plugin configuration, its default and its check, in one
+//! place so that the README's table and the parser can be read side by side (the `text`
+//! keys are in `text_config.rs`).
 
 use std::fmt;
 use std::time::Duration;
@@ -11,6 +15,9 @@ use kvroute::mirror::Limits;
 use kvroute::route::{Cold, Policy};
 use kvroute::select::Weights;
 use serde::Deserialize;
+
+use crate::text_config::RawText;
+pub use crate::text_config::TextConfig;
 
 /// Where one value comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,6 +102,8 @@ struct RawConfig {
     route: RawRoute,
     #[serde(default)]
     weights: RawWeights,
+    #[serde(default)]
+    text: RawText,
     #[serde(default)]
     log_level: Option<String>,
     #[serde(default)]
@@ -432,6 +441,8 @@ pub struct Config {
     /// The decision's rules: cold requests, saturation, hot-spot guard, and the weights.
     pub policy: Policy,
     pub weights: Weights,
+    /// Text requests: exact through the collector, approximate in the filter.
+    pub text: TextConfig,
     /// `trace|debug|info|warn|error|critical`. Default `warn`.
     pub log_level: log::LevelFilter,
     /// Fixed seed of the tie-break randomness (tests). Default: from the VM id and clock.
@@ -444,6 +455,7 @@ impl Config {
     /// Whether any source of any value is the body.
     pub fn needs_body(&self) -> bool {
         self.tokens.needs_body()
+            || self.text.enabled()
             || self.model.needs_body()
             || self.tenant.needs_body()
             || self.cache_salt.needs_body()
@@ -617,6 +629,10 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             }
         }
     }
+    let text = raw
+        .text
+        .validate(&mut body_fields)
+        .map_err(|(k, m)| err(k, m))?;
     // Decode work to book, read whenever the body is scanned anyway.
     for name in DECODE_FIELDS {
         if !body_fields.iter().any(|(n, _)| n == name) {
@@ -671,6 +687,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             max_hit_queue_tokens: raw.route.max_hit_queue_tokens,
         },
         weights,
+        text,
         log_level,
         random_seed: raw.random_seed,
         body_fields,
@@ -797,6 +814,7 @@ pub fn domain_matches(pattern: &str, host: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::text_config::{MESSAGES_FIELD, PROMPT_FIELD};
 
     #[test]
     fn millisecond_keys_become_durations() {
@@ -812,6 +830,50 @@ mod tests {
         assert_eq!(c.stale_after, Duration::from_secs(5), "the default");
         assert_eq!(millis(c.load_ttl), 1500);
         assert_eq!(millis(Duration::MAX), u64::MAX, "saturates");
+    }
+
+    #[test]
+    fn text_keys_have_defaults_and_are_checked() {
+        let c = parse(br#"{"collector": {"cluster": "c"}}"#).unwrap();
+        assert!(c.text.exact && c.text.approx);
+        assert_eq!(c.text.block_chars, 128);
+        assert_eq!(millis(c.text.ttl), 600_000);
+        let kinds = |c: &Config| {
+            [PROMPT_FIELD, MESSAGES_FIELD].map(|n| c.body_field(n).map(|i| c.body_fields[i].1))
+        };
+        assert_eq!(
+            kinds(&c),
+            [Some(FieldKind::TokensOrText), Some(FieldKind::Raw)]
+        );
+        let c = parse(
+            br#"{"collector": {"cluster": "c"}, "tokens": {"sources": ["header:x-t"]},
+                 "model": {"sources": ["header:x-model"]}, "cache_salt": {"sources": []},
+                 "text": {"exact": false, "approx": false}}"#,
+        )
+        .unwrap();
+        assert!(
+            !c.needs_body(),
+            "text off: header intake never waits for a body"
+        );
+        assert_eq!(kinds(&c), [None, None]);
+        let c = parse(
+            br#"{"collector": {"cluster": "c"}, "tokens": {"sources": ["header:x-t"]},
+                 "model": {"sources": ["header:x-model"]}, "cache_salt": {"sources": []},
+                 "text": {"exact": false, "block_chars": 64, "max_entries": 1024}}"#,
+        )
+        .unwrap();
+        assert!(c.needs_body());
+        assert_eq!((c.text.block_chars, c.text.max_entries), (64, 1024));
+        for (bad, key) in [
+            (r#""text": {"block_chars": 0}"#, "text.block_chars"),
+            (r#""text": {"max_entries": 0}"#, "text.max_entries"),
+            (r#""text": {"colour": 1}"#, "text.colour"),
+            (r#""model": {"sources": ["body:messages"]}"#, "text"),
+        ] {
+            let json = format!(r#"{{"collector": {{"cluster": "c"}}, {bad}}}"#);
+            let e = parse(json.as_bytes()).unwrap_err();
+            assert_eq!(e.path, key, "{e}");
+        }
     }
 
     #[test]

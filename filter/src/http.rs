@@ -1,12 +1,15 @@
-//! The HTTP context: intake, decision, output, load release.
+//! The HTTP context: intake, decision, output, load release. Text requests (no token ids)
+//! take the path of `http/text.rs`.
+
+mod remote;
+mod text;
 
 use std::rc::Rc;
 
-use kvroute::api::{QueryRequest, QueryResponse};
 use kvroute::hash;
 use kvroute::intake::{self, Found, IntakeError};
 use kvroute::lookup::{longest_matches, WalkStats};
-use kvroute::mirror::{self, depth_keys, BucketView, LoadId, Meta, PrefixView, Store};
+use kvroute::mirror::{self, depth_keys, BucketView, LoadId, PrefixView};
 use kvroute::route;
 use kvroute::scope::ScopeId;
 use proxy_wasm::traits::{Context, HttpContext};
@@ -15,6 +18,7 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 use crate::books::{self, Booked, Picture};
 use crate::config::{millis, Config, Mode, Source, Sources, DECODE_FIELDS};
 use crate::host::{self, HostStore};
+use crate::text_config::{MESSAGES_FIELD, PROMPT_FIELD};
 use crate::vm::{Scratch, VmRef};
 use crate::Outcome;
 
@@ -52,6 +56,70 @@ struct BodyCtx<'a> {
     found: &'a [Found],
 }
 
+/// A request's text, as found in its body.
+#[derive(Clone, Copy, Debug)]
+enum Text<'a> {
+    /// A completions prompt: the raw bytes between the quotes, with escapes or not, and the
+    /// whole JSON string (quotes included), passed on verbatim to the collector.
+    Prompt {
+        raw: &'a [u8],
+        escaped: bool,
+        json: &'a [u8],
+    },
+    /// Chat messages: the array's raw JSON.
+    Messages { json: &'a [u8] },
+}
+
+impl<'a> BodyCtx<'a> {
+    /// The body's text: its `prompt` string, else its `messages` array.
+    fn text(&self, cfg: &Config) -> Option<Text<'a>> {
+        let (bytes, found) = (self.bytes, self.found);
+        let field = |name| cfg.body_field(name).and_then(|i| found.get(i));
+        if let Some(Found::Str {
+            start,
+            end,
+            escaped,
+        }) = field(PROMPT_FIELD)
+        {
+            return Some(Text::Prompt {
+                raw: bytes.get(*start..*end)?,
+                escaped: *escaped,
+                json: bytes.get(start.checked_sub(1)?..end + 1)?,
+            });
+        }
+        match field(MESSAGES_FIELD) {
+            Some(Found::Raw { start, end }) => Some(Text::Messages {
+                json: bytes.get(*start..*end)?,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// Which text path decided a request (shown in the debug header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TextPath {
+    Exact,
+    Approx,
+}
+
+impl TextPath {
+    fn as_str(self) -> &'static str {
+        match self {
+            TextPath::Exact => "exact",
+            TextPath::Approx => "approx",
+        }
+    }
+}
+
+/// A text request's scope, kept while its `/query` callout is out.
+#[derive(Clone, Debug, Default)]
+struct TextScope {
+    served: String,
+    tenant: String,
+    salt: Option<String>,
+}
+
 pub(crate) struct Http {
     vm: Option<VmRef>,
     cfg: Option<Rc<Config>>,
@@ -73,6 +141,10 @@ pub(crate) struct Http {
     query_tokens: u32,
     matched_tokens: u32,
     reads: u32,
+    /// A text request: its scope, chain hashes, and the path that decided it.
+    text: Option<TextScope>,
+    text_hashes: Vec<kvroute::approx::TextHash>,
+    text_path: Option<TextPath>,
 }
 
 impl Http {
@@ -95,6 +167,9 @@ impl Http {
             query_tokens: 0,
             matched_tokens: 0,
             reads: 0,
+            text: None,
+            text_hashes: Vec::new(),
+            text_path: None,
         }
     }
 
@@ -124,6 +199,9 @@ impl Http {
             query_tokens: 0,
             matched_tokens: 0,
             reads: 0,
+            text: None,
+            text_hashes: Vec::new(),
+            text_path: None,
         }
     }
 
@@ -247,12 +325,39 @@ impl Http {
 
     /// Everything is known: decide and write the headers. Returns the action for the
     /// current callback.
-    fn decide(&mut self, vm: &VmRef, cfg: &Config, scratch: &mut Scratch) -> Action {
+    fn decide(
+        &mut self,
+        vm: &VmRef,
+        cfg: &Config,
+        scratch: &mut Scratch,
+        body: Option<&BodyCtx<'_>>,
+    ) -> Action {
         let tokens: &[u32] = match self.tokens {
             Res::Done(Some(Tok::Str)) => &scratch.str_tokens,
             Res::Done(Some(Tok::Body(s, e))) => scratch.body_tokens.get(s..e).unwrap_or_default(),
             _ => &[],
         };
+        let text = body
+            .filter(|_| tokens.is_empty() && cfg.text.enabled())
+            .and_then(|b| b.text(cfg));
+        if let Some(text) = text {
+            let Res::Done(Some(served)) = self.model.clone() else {
+                self.finish(vm, Outcome::NoModel);
+                return Action::Continue;
+            };
+            let scope = TextScope {
+                served,
+                tenant: match &self.tenant {
+                    Res::Done(Some(t)) => t.clone(),
+                    _ => kvroute::scope::DEFAULT_TENANT.to_owned(),
+                },
+                salt: match &self.salt {
+                    Res::Done(s) => s.clone(),
+                    _ => None,
+                },
+            };
+            return self.decide_text(vm, cfg, scratch, text, scope);
+        }
         if tokens.is_empty() {
             let o = if self.wrong_content_type {
                 Outcome::BadBody
@@ -304,16 +409,7 @@ impl Http {
             self.finish(vm, Outcome::NoMatch);
             return Action::Continue;
         };
-        let key = (state.gen, state.stamp, state.meta_version);
-        if cache.key != Some(key) {
-            let meta = store
-                .get(&vm.keys.meta(state.gen))
-                .ok()
-                .and_then(|(v, _)| v)
-                .and_then(|v| Meta::decode(&v, state.stamp))
-                .unwrap_or_default();
-            cache.rebuild(key, meta);
-        }
+        cache.refresh(&store, &vm.keys, &state);
         let (model, lora) = cache.meta.resolve(tenant, served);
         let Some(block_size) = cache.meta.block_size(tenant, model) else {
             self.finish(vm, Outcome::NoMatch);
@@ -470,119 +566,6 @@ impl Http {
         );
     }
 
-    fn call_remote(
-        &mut self,
-        vm: &VmRef,
-        cfg: &Config,
-        scratch: &mut Scratch,
-        served: &str,
-        tenant: &str,
-        salt: Option<&str>,
-    ) -> Action {
-        let tokens: &[u32] = match self.tokens {
-            Res::Done(Some(Tok::Str)) => &scratch.str_tokens,
-            Res::Done(Some(Tok::Body(s, e))) => scratch.body_tokens.get(s..e).unwrap_or_default(),
-            _ => &[],
-        };
-        let req = QueryRequest {
-            token_ids: tokens.to_vec(),
-            model_name: served.to_owned(),
-            tenant_id: Some(tenant.to_owned()),
-            lora_name: None,
-            cache_salt: salt.map(str::to_owned),
-        };
-        let Ok(body) = serde_json::to_vec(&req) else {
-            self.finish(vm, Outcome::CollectorError);
-            return Action::Continue;
-        };
-        let auth = cfg.read_token.as_ref().map(|t| format!("Bearer {t}"));
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", "/query"),
-            (":authority", cfg.authority.as_str()),
-            ("content-type", "application/json"),
-        ];
-        if let Some(a) = auth.as_deref() {
-            headers.push(("authorization", a));
-        }
-        match host::http_call(&cfg.cluster, headers, Some(&body), cfg.query_timeout) {
-            Some(token) => {
-                self.callout = Some(token);
-                self.phase = Phase::WaitingCallout;
-                Action::Pause
-            }
-            None => {
-                self.finish(vm, Outcome::CollectorError);
-                Action::Continue
-            }
-        }
-    }
-
-    fn on_query_response(
-        &mut self,
-        vm: &VmRef,
-        cfg: &Config,
-        num_headers: usize,
-        body_size: usize,
-    ) {
-        let status = (num_headers > 0)
-            .then(|| host::get_header(MapType::HttpCallResponseHeaders, ":status"))
-            .flatten()
-            .and_then(|s| {
-                std::str::from_utf8(&s)
-                    .ok()
-                    .and_then(|s| s.parse::<u16>().ok())
-            });
-        if status != Some(200) {
-            log::debug!("kvroute[{}]: /query failed (status {status:?})", self.id);
-            self.finish(vm, Outcome::CollectorError);
-            return;
-        }
-        let body =
-            host::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).unwrap_or_default();
-        let Ok(resp) = serde_json::from_slice::<QueryResponse>(&body) else {
-            self.finish(vm, Outcome::CollectorError);
-            return;
-        };
-        // Remote mode books per instance, which the fleet's per-worker totals do not name:
-        // its own books only.
-        let picture = Picture::read(vm, cfg, host::now_ms());
-        let contenders = route::remote_contenders(&resp, |id| picture.load(id));
-        let only: Vec<route::Contender> = contenders.iter().map(|c| c.0).collect();
-        let query = route::Query {
-            blocks: resp.query_blocks,
-            block_size: resp.block_size.max(1),
-        };
-        let decision = match vm.rng.try_borrow_mut() {
-            Ok(mut rng) => route::decide(&only, query, &cfg.policy, &mut *rng),
-            Err(_) => None,
-        };
-        // `remote_contenders` keeps the answer's instance order: index i is the i-th entry.
-        let entry = |i: usize| resp.instances.values().nth(i);
-        let Some((d, best, &(_, load_id))) =
-            decision.and_then(|d| Some((d, entry(d.best)?, contenders.get(d.best)?)))
-        else {
-            let o = if only.is_empty() {
-                Outcome::NoMatch
-            } else {
-                Outcome::Deferred
-            };
-            self.finish(vm, o);
-            return;
-        };
-        let runner = d.runner_up.and_then(entry).map(|m| m.address.as_str());
-        self.route(
-            vm,
-            cfg,
-            &best.address,
-            runner,
-            (best.dp.len() > 1).then_some(d.dp_rank),
-            load_id,
-            d.matched_blocks,
-            query.block_size,
-        );
-    }
-
     fn config(&self) -> Option<(VmRef, Rc<Config>)> {
         Some((self.vm.clone()?, self.cfg.clone()?))
     }
@@ -606,7 +589,11 @@ impl Context for Http {
         }
         self.callout = None;
         if let Some((vm, cfg)) = self.config() {
-            self.on_query_response(&vm, &cfg, num_headers, body_size);
+            if self.text.is_some() {
+                self.on_text_answer(&vm, &cfg, num_headers, body_size);
+            } else {
+                self.on_query_response(&vm, &cfg, num_headers, body_size);
+            }
         }
         self.phase = Phase::Done;
         host::resume_request();
@@ -655,7 +642,7 @@ impl HttpContext for Http {
                 self.phase = Phase::WaitingBody;
                 Action::Pause
             }
-            Ok(false) => self.decide(&vm, &cfg, &mut scratch),
+            Ok(false) => self.decide(&vm, &cfg, &mut scratch, None),
         }
     }
 
@@ -704,10 +691,14 @@ impl HttpContext for Http {
         if let Some((_, cfg)) = self.config() {
             if let Some(name) = &cfg.debug_header {
                 let outcome = self.outcome.map_or("none", Outcome::as_str);
-                let v = format!(
+                let mut v = format!(
                     "outcome={outcome}; matched_tokens={}; query_tokens={}; reads={}",
                     self.matched_tokens, self.query_tokens, self.reads
                 );
+                if let Some(p) = self.text_path {
+                    v.push_str("; text=");
+                    v.push_str(p.as_str());
+                }
                 host::set_header(MapType::HttpResponseHeaders, name, v.as_bytes());
             }
         }
@@ -757,14 +748,12 @@ impl Http {
                 }
             });
         }
+        let ctx = BodyCtx {
+            bytes: &body,
+            found: &found,
+        };
         let result = match scanned {
-            Ok(()) => {
-                let ctx = BodyCtx {
-                    bytes: &body,
-                    found: &found,
-                };
-                self.resolve(Some(&ctx), cfg, scratch)
-            }
+            Ok(()) => self.resolve(Some(&ctx), cfg, scratch),
             Err(IntakeError::Empty) => {
                 // No body after all: the remaining body sources have nothing.
                 self.body_possible = false;
@@ -775,13 +764,14 @@ impl Http {
                 Err(Outcome::BadBody)
             }
         };
-        scratch.found = found;
-        match result {
+        let action = match result {
             Err(o) => {
                 self.finish(vm, o);
                 Action::Continue
             }
-            Ok(_) => self.decide(vm, cfg, scratch),
-        }
+            Ok(_) => self.decide(vm, cfg, scratch, scanned.is_ok().then_some(&ctx)),
+        };
+        scratch.found = found;
+        action
     }
 }

@@ -21,6 +21,11 @@
 //!    Every request of a model with live instances is decided, cold ones by load alone
 //!    (`route.cold`); the decision reads this Envoy's books, the fleet's totals and the
 //!    engines' samples (`books.rs`), and speculative holders of recent decisions.
+//!    A request without token ids but with a `prompt` string or chat `messages` takes the
+//!    text path (`http/text.rs`): the collector tokenizes and matches it (`/query` with the
+//!    text, the one per-request callout of local mode), or, without a tokenizer or an
+//!    answer, approximate mode routes it on the filter's own record of where each text
+//!    prefix went ([`kvroute::approx`]); both end in the same `route::decide` and books.
 //! 4. The first response body bytes release the request's prefill tokens; `on_log` releases
 //!    the rest (the request and its decode budget), whatever the outcome.
 //!
@@ -47,6 +52,7 @@ mod report;
 mod root;
 #[cfg(target_arch = "wasm32")]
 mod rules;
+mod text_config;
 #[cfg(target_arch = "wasm32")]
 mod vm;
 
@@ -78,10 +84,13 @@ pub enum Outcome {
     BadBody,
     TooLarge,
     BadHeader,
+    /// A text request whose text cannot be read (bad UTF-8, content that is not text, too
+    /// many messages).
+    BadText,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 11] = [
+    pub const ALL: [Outcome; 12] = [
         Outcome::Routed,
         Outcome::RoutedCold,
         Outcome::Deferred,
@@ -93,6 +102,7 @@ impl Outcome {
         Outcome::BadBody,
         Outcome::TooLarge,
         Outcome::BadHeader,
+        Outcome::BadText,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -108,6 +118,7 @@ impl Outcome {
             Outcome::BadBody => "bad_body",
             Outcome::TooLarge => "too_large",
             Outcome::BadHeader => "bad_header",
+            Outcome::BadText => "bad_text",
         }
     }
 }

@@ -13,7 +13,7 @@ use crate::config::{self, millis, Mode};
 use crate::host::{self, HostStore};
 use crate::http::Http;
 use crate::report::Sent;
-use crate::vm::{MetaCache, Metrics, Scratch, Vm, VmRef};
+use crate::vm::{MetaCache, Metrics, NoTokenizer, Scratch, Vm, VmRef};
 
 pub(crate) struct Root {
     vm: Option<VmRef>,
@@ -230,6 +230,7 @@ impl RootContext for Root {
             rng: RefCell::new(SplitMix64(seed)),
             cache: RefCell::new(MetaCache::default()),
             scratch: RefCell::new(Scratch::default()),
+            no_tokenizer: RefCell::new(NoTokenizer::default()),
         }));
         if mode == Mode::Local && !host::set_tick_period(interval) {
             log::warn!("kvroute: cannot set the tick period");

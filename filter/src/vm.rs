@@ -3,7 +3,7 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
-use kvroute::mirror::{Depth, Keys, Meta};
+use kvroute::mirror::{Depth, Keys, Meta, Store, SyncState};
 use kvroute::route::Roster;
 use kvroute::select::SplitMix64;
 use proxy_wasm::types::MetricType;
@@ -28,6 +28,26 @@ pub(crate) struct Metrics {
     pub load_reports: Option<u32>,
     pub load_report_errors: Option<u32>,
     pub leaks_repaired: Option<u32>,
+    pub text: TextMetrics,
+}
+
+/// Counters of the text path (`kvroute.text.*`).
+#[derive(Debug, Default)]
+pub(crate) struct TextMetrics {
+    /// Decided on the collector's tokenized answer.
+    pub exact: Option<u32>,
+    /// Decided in approximate mode.
+    pub approx: Option<u32>,
+    /// The collector has no tokenizer for the model (404).
+    pub no_tokenizer: Option<u32>,
+    /// Callouts not made: the model is known to have no tokenizer.
+    pub callouts_skipped: Option<u32>,
+    /// The text callout failed: timeout, reset, another status, a bad answer.
+    pub exact_errors: Option<u32>,
+    /// Recorded prefixes of other prompts overwritten in the bounded table.
+    pub evictions: Option<u32>,
+    /// Table writes lost to other writers after every retry.
+    pub lost_writes: Option<u32>,
 }
 
 impl Metrics {
@@ -50,6 +70,15 @@ impl Metrics {
             load_reports: c("kvroute.load_reports"),
             load_report_errors: c("kvroute.load_report_errors"),
             leaks_repaired: c("kvroute.leaks_repaired"),
+            text: TextMetrics {
+                exact: c("kvroute.text.exact"),
+                approx: c("kvroute.text.approx"),
+                no_tokenizer: c("kvroute.text.no_tokenizer"),
+                callouts_skipped: c("kvroute.text.callouts_skipped"),
+                exact_errors: c("kvroute.text.exact_errors"),
+                evictions: c("kvroute.text.evictions"),
+                lost_writes: c("kvroute.text.lost_writes"),
+            },
             ..Metrics::default()
         };
         for (i, o) in Outcome::ALL.iter().enumerate() {
@@ -74,10 +103,52 @@ pub(crate) struct MetaCache {
 }
 
 impl MetaCache {
-    pub fn rebuild(&mut self, key: (u8, u32, u32), meta: Meta) {
+    /// Rebuilds the cache when the active generation's meta changed since it was built.
+    pub fn refresh(&mut self, store: &impl Store, keys: &Keys, state: &SyncState) {
+        let key = (state.gen, state.stamp, state.meta_version);
+        if self.key == Some(key) {
+            return;
+        }
+        let meta = store
+            .get(&keys.meta(state.gen))
+            .ok()
+            .and_then(|(v, _)| v)
+            .and_then(|v| Meta::decode(&v, state.stamp))
+            .unwrap_or_default();
         self.roster = Roster::from_meta(&meta);
         self.meta = meta;
         self.key = Some(key);
+    }
+}
+
+/// Models the collector said it has no tokenizer for, each until a time (ms): their text
+/// requests go straight to approximate mode. Bounded: the entry expiring first makes room.
+#[derive(Debug, Default)]
+pub(crate) struct NoTokenizer {
+    models: Vec<(String, u64)>,
+}
+
+impl NoTokenizer {
+    /// Most models remembered.
+    pub const MAX: usize = 64;
+
+    pub fn contains(&self, model: &str, now: u64) -> bool {
+        self.models
+            .iter()
+            .any(|(m, until)| m == model && *until > now)
+    }
+
+    pub fn insert(&mut self, model: &str, until: u64) {
+        if let Some(e) = self.models.iter_mut().find(|(m, _)| m == model) {
+            e.1 = until;
+            return;
+        }
+        if self.models.len() >= Self::MAX {
+            if let Some(i) = (0..self.models.len()).min_by_key(|i| self.models[*i].1) {
+                self.models.swap_remove(i);
+            }
+        }
+        self.models.push((model.to_owned(), until));
     }
 }
 
@@ -90,6 +161,8 @@ pub(crate) struct Scratch {
     pub seqs: Vec<kvroute::hash::SeqHash>,
     pub depths: Vec<Depth>,
     pub found: Vec<kvroute::intake::Found>,
+    /// A text request's canonical text.
+    pub text: String,
 }
 
 /// What one VM shares between its root and HTTP contexts.
@@ -102,6 +175,7 @@ pub(crate) struct Vm {
     pub rng: RefCell<SplitMix64>,
     pub cache: RefCell<MetaCache>,
     pub scratch: RefCell<Scratch>,
+    pub no_tokenizer: RefCell<NoTokenizer>,
 }
 
 impl Vm {

@@ -83,6 +83,18 @@ pub fn keys_of(
     seqs.into_iter().map(|s| scope.key(s)).collect()
 }
 
+/// Answers the fake collector's `/query` callouts.
+pub type QueryFn = Arc<dyn Fn(&Callout) -> CalloutReply + Send + Sync>;
+
+#[derive(Clone)]
+struct QueryHandler(QueryFn);
+
+impl std::fmt::Debug for QueryHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("QueryHandler")
+    }
+}
+
 #[derive(Debug, Default)]
 struct FeedState {
     epoch: u64,
@@ -97,6 +109,10 @@ struct FeedState {
     fleet: Vec<Op>,
     /// Bodies of the `POST /v1/load` reports received.
     reports: Vec<serde_json::Value>,
+    /// How `/query` is answered (404 JSON, "no tokenizer", when unset).
+    query: Option<QueryHandler>,
+    /// Bodies of the `/query` callouts received.
+    queries: Vec<serde_json::Value>,
 }
 
 /// A collector double that speaks `/v1/feed`.
@@ -122,6 +138,16 @@ impl FakeCollector {
         let mut s = self.state.lock().unwrap();
         if s.down {
             return CalloutReply::Reset;
+        }
+        if c.path() == "/query" {
+            s.queries
+                .push(serde_json::from_slice(&c.body).unwrap_or(serde_json::Value::Null));
+            return match &s.query {
+                Some(h) => (h.0)(c),
+                None => CalloutReply::Response(
+                    Response::new(404).body(r#"{"error":"no tokenizer for this model"}"#),
+                ),
+            };
         }
         if c.path() == "/v1/load" {
             let report = serde_json::from_slice(&c.body).unwrap_or_default();
@@ -237,6 +263,16 @@ impl FakeCollector {
     /// Sets the fleet picture served with every page from now on.
     pub fn set_fleet(&self, ops: Vec<Op>) {
         self.state.lock().unwrap().fleet = ops;
+    }
+
+    /// Answers `/query` with `f` from now on.
+    pub fn on_query(&self, f: impl Fn(&Callout) -> CalloutReply + Send + Sync + 'static) {
+        self.state.lock().unwrap().query = Some(QueryHandler(Arc::new(f)));
+    }
+
+    /// The `/query` bodies received so far.
+    pub fn queries(&self) -> Vec<serde_json::Value> {
+        self.state.lock().unwrap().queries.clone()
     }
 
     /// The load reports received so far.

@@ -20,3 +20,5 @@ mod routing;
 mod scopes;
 /// Local mode against the real collector: sync, epoch change, outage, recovery, lease.
 mod sync;
+/// Text requests: exact through the collector's `/query`, approximate from recorded prefixes.
+mod text;

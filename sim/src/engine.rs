@@ -112,6 +112,8 @@ pub struct EngineConfig {
     /// Tokens one scheduler step computes (vLLM `max_num_batched_tokens`, 8,192): the events
     /// of one admission are published in batches of at most this many tokens' blocks.
     pub max_batched_tokens: usize,
+    /// Text prompts and chat messages to ids: the toy words, or a real tokenizer.
+    pub tokenizer: tokenizer::TextTokenizer,
 }
 
 impl Default for EngineConfig {
@@ -139,6 +141,7 @@ impl Default for EngineConfig {
             max_model_len: 131_072,
             journal: false,
             max_batched_tokens: 8192,
+            tokenizer: tokenizer::TextTokenizer::Toy,
         }
     }
 }

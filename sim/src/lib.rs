@@ -1,6 +1,7 @@
 //! kvroute-sim: an engine simulator that behaves like vLLM where routing is concerned, and a
 //! trace replayer. It is the engine side of every test and benchmark (the routing comparison
-//! lives in the `kvroute-bench` crate); it depends only on the core.
+//! lives in the `kvroute-bench` crate); it depends on the core, and on `kvroute-text` for
+//! real tokenizers (`--tokenizer`).
 //!
 //! - [`cache`]: the paged KV cache (prefix reuse, LRU eviction tail first), pure.
 //! - [`engine_hash`]: opaque engine block hashes as vLLM and SGLang compute them.
@@ -9,7 +10,8 @@
 //! - [`publisher`]: ZMQ PUB + replay ROUTER in either reply shape, with the misbehaviours a
 //!   collector must survive (lost messages, garbage payloads, restarts on the same ports).
 //! - [`engine`]: scheduling and timing model, OpenAI/SGLang-style HTTP API, `/metrics`.
-//! - [`trace`], [`tokenizer`]: Mooncake traces and the deterministic toy tokenizer.
+//! - [`trace`], [`tokenizer`]: Mooncake traces, the deterministic toy tokenizer, and the
+//!   engine's choice of it or a real one.
 //! - [`replay`]: replays a trace against a URL or through an in-process router, with summary
 //!   statistics.
 //!

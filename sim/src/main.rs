@@ -1,5 +1,5 @@
-//! `kvroute-sim`: `engine` (a simulated vLLM/SGLang engine) and `replay` (a Mooncake trace
-//! against a URL). `--help` on each describes its flags. The routing comparison is
+//! `kvroute-sim`: `engine` (a simulated vLLM/SGLang engine; `--tokenizer DIR` for real text)
+//! and `replay` (a Mooncake trace against a URL). `--help` on each describes its flags. The routing comparison is
 //! `kvroute-bench routing`.
 
 use std::path::PathBuf;
@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 use kvroute_sim::cache::CacheConfig;
 use kvroute_sim::engine::{Engine, EngineConfig};
 use kvroute_sim::replay::{self, Api, ReplayConfig, Target};
+use kvroute_sim::tokenizer::TextTokenizer;
 use kvroute_sim::trace;
 use kvroute_sim::wire::EventFormat;
 
@@ -95,6 +96,10 @@ struct EngineArgs {
     /// Longest prompt plus output accepted, tokens.
     #[arg(long, default_value_t = 131_072)]
     max_model_len: usize,
+    /// A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json): text prompts
+    /// and chat messages are tokenized with it. Omit: the toy `t<id>` tokenizer.
+    #[arg(long, value_name = "DIR")]
+    tokenizer: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -148,7 +153,13 @@ async fn run_engine(a: EngineArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("bind {}", a.listen))?;
     let addr = listener.local_addr()?;
+    let tokenizer = match &a.tokenizer {
+        Some(dir) => TextTokenizer::from_dir(dir)
+            .with_context(|| format!("--tokenizer {}", dir.display()))?,
+        None => TextTokenizer::Toy,
+    };
     let cfg = EngineConfig {
+        tokenizer,
         name: a.name.unwrap_or_else(|| addr.to_string()),
         model: a.model,
         cache: CacheConfig {

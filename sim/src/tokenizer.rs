@@ -1,4 +1,5 @@
-//! The deterministic toy tokenizer and the trace's token generator.
+//! The deterministic toy tokenizer, the trace's token generator, and [`TextTokenizer`]: the
+//! engine's choice between the toy and a model's real tokenizer (`--tokenizer DIR`).
 //!
 //! Text prompts are whitespace-separated words `t<id>`; each maps back to exactly the token
 //! id `<id>`, so a router that only sees text (sglang-router's `cache_aware`) and one that sees
@@ -9,6 +10,79 @@
 //! turns an id into 512 pseudo-random token ids seeded by the id (splitmix64), so equal ids
 //! give equal tokens at any block size dividing 512. The generator is written out here rather
 //! than taken from a crate so the token streams never change under a dependency upgrade.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+/// How an engine turns text into token ids.
+///
+/// `Toy` (the default) keeps the `t<id>` words the routing benchmark depends on; `Real` is a
+/// model's Hugging Face tokenizer and chat template, the same code and files the collector
+/// uses, so text routed exactly by the collector lands on the blocks the engine computes.
+#[derive(Clone, Debug, Default)]
+pub enum TextTokenizer {
+    #[default]
+    Toy,
+    Real(Arc<kvroute_text::Tokenizer>),
+}
+
+impl TextTokenizer {
+    /// Loads the real tokenizer in `dir` (`tokenizer.json`, `tokenizer_config.json`).
+    ///
+    /// # Errors
+    /// The directory does not hold a loadable tokenizer.
+    pub fn from_dir(dir: &Path) -> Result<TextTokenizer, kvroute_text::LoadError> {
+        kvroute_text::Tokenizer::from_dir(dir).map(|t| TextTokenizer::Real(Arc::new(t)))
+    }
+
+    /// A completions prompt's ids (the real tokenizer adds its special tokens, as vLLM does).
+    ///
+    /// # Errors
+    /// The prompt is over the size limit (real tokenizer only).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, kvroute_text::TextError> {
+        match self {
+            TextTokenizer::Toy => Ok(encode(text)),
+            TextTokenizer::Real(t) => t.encode(text),
+        }
+    }
+
+    /// A chat's ids: the OpenAI `messages` rendered by the chat template and encoded without
+    /// adding special tokens (vLLM's chat path). The toy renders `role: content` lines.
+    ///
+    /// # Errors
+    /// Messages that are not text chat messages, limits, template errors.
+    pub fn encode_chat(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, kvroute_text::TextError> {
+        match self {
+            TextTokenizer::Toy => {
+                let messages =
+                    kvroute_text::parse_messages(messages, &kvroute_text::Limits::default())?;
+                let mut text = String::new();
+                for m in &messages {
+                    text.push_str(&m.role);
+                    text.push_str(": ");
+                    text.push_str(&m.content);
+                    text.push('\n');
+                }
+                Ok(encode(&text))
+            }
+            TextTokenizer::Real(t) => {
+                let messages = kvroute_text::parse_messages(messages, t.limits())?;
+                t.encode_chat(&messages, add_generation_prompt)
+            }
+        }
+    }
+
+    /// Whether this is a real tokenizer (its work is worth a blocking thread).
+    pub fn is_real(&self) -> bool {
+        matches!(self, TextTokenizer::Real(_))
+    }
+}
 
 /// Vocabulary size used for generated and hashed tokens (Llama 3's 128,256 entries).
 pub const VOCAB_SIZE: u32 = 128_256;

@@ -8,3 +8,5 @@ mod http;
 mod replay;
 // The publisher: lost batches, resumed and restarted numbering, both replay shapes.
 mod publisher;
+// Text with the real Qwen3 tokenizer: chat completions, prompts, /tokenize.
+mod text;

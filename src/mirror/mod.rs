@@ -14,12 +14,14 @@
 //! | `{prefix}/fleet` | fleet-wide load totals, own last report, engine samples ([`Fleet`]) | `fleet.rs` |
 //! | `{prefix}/gateway` | this Envoy's gateway id in load reports, made once | (filter) |
 //! | `{prefix}/spec` | speculative block holders of recent decisions ([`spec_insert`]) | `speculative.rs` |
+//! | `{prefix}/text/{i:x}` | shard `i` of the recorded text prefixes (`text.max_entries / 512` shards) | [`crate::approx`] |
 //! | `{prefix}/g{0,1}/meta` | worker slots, block sizes, aliases of a generation ([`Meta`]) | `meta.rs` |
 //! | `{prefix}/g{0,1}/b{i:x}` | bucket `i` of a generation's block table ([`BucketRef`]) | `buckets.rs` |
 //!
 //! `{prefix}` is `kvroute/{plugin name}/v{LAYOUT_VERSION}` ([`Keys`], `keys.rs`), so two
 //! plugins (or two layouts after an upgrade) on one `vm_id` never read each other's bytes.
-//! The total is `7 + 2 × (1 + buckets)` keys, fixed by configuration.
+//! The total is `7 + 2 × (1 + buckets)` keys, plus the text shards once text requests come,
+//! fixed by configuration.
 //!
 //! A block lives in bucket `key >> (64 - log2(buckets))` (its [`BlockKey`](crate::scope::BlockKey)
 //! is already a hash). Each bucket value carries the *stamp* of the index build it belongs
@@ -51,7 +53,7 @@ pub use load::{
     load_add, load_clear_stale, load_entries, load_get, load_update, Load, LoadDelta, LoadId,
 };
 pub use meta::{Alias, ApplyStats, Meta, WorkerSlot};
-pub use speculative::{spec_insert, spec_lookup, stored_depths, Insert, PROBE};
+pub use speculative::{spec_entry, spec_insert, spec_lookup, stored_depths, Insert, PROBE};
 pub use store::{MemStore, Store, StoreError};
 pub use sync::{
     acquire_lease, apply_page, next_vm_id, read_state, Applied, Build, Lease, SyncError, SyncState,

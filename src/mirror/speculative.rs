@@ -100,6 +100,12 @@ pub fn spec_insert(
 
 /// The live holder of `key`: `(slot, blocks)`.
 pub fn spec_lookup(table: &[u8], key: BlockKey, now_ms: u64) -> Option<(u32, u32)> {
+    spec_entry(table, key, now_ms).map(|(slot, blocks, _)| (slot, blocks))
+}
+
+/// The live entry of `key`: `(slot, blocks, expires_ms)` (its age is its time-to-live minus
+/// what is left of it).
+pub fn spec_entry(table: &[u8], key: BlockKey, now_ms: u64) -> Option<(u32, u32, u64)> {
     let cap = capacity(table);
     if cap == 0 {
         return None;
@@ -109,8 +115,9 @@ pub fn spec_lookup(table: &[u8], key: BlockKey, now_ms: u64) -> Option<(u32, u32
     for p in 0..PROBE.min(cap) {
         let e = 1 + ((start + p) % cap) * ENTRY;
         if le_u64(table, e) == k {
-            return (le_u64(table, e + 16) > now_ms)
-                .then(|| (read_u32(table, e + 8), read_u32(table, e + 12)));
+            let expires = le_u64(table, e + 16);
+            return (expires > now_ms)
+                .then(|| (read_u32(table, e + 8), read_u32(table, e + 12), expires));
         }
     }
     None

@@ -1,5 +1,6 @@
-//! The engine's HTTP API: OpenAI-style `/v1/completions`, SGLang-style `/generate`,
-//! `/tokenize`, `/v1/models`, `/health`, `/metrics` and `/reset_prefix_cache`. A child of
+//! The engine's HTTP API: OpenAI-style `/v1/completions` and `/v1/chat/completions`,
+//! SGLang-style `/generate`, `/tokenize`, `/v1/models`, `/health`, `/metrics` and
+//! `/reset_prefix_cache`. Text goes through the engine's [`tokenizer::TextTokenizer`]. A child of
 //! [`super`] so the handlers reach the engine's private state without widening it.
 
 use super::*;
@@ -9,6 +10,7 @@ impl Engine {
     pub fn app(&self) -> Router {
         Router::new()
             .route("/v1/completions", post(completions))
+            .route("/v1/chat/completions", post(chat_completions))
             .route("/generate", post(generate))
             .route("/tokenize", post(tokenize))
             .route("/v1/models", get(models))
@@ -30,17 +32,49 @@ enum Prompt {
 }
 
 impl Prompt {
-    fn into_tokens(self) -> Result<Vec<u32>, EngineError> {
+    async fn into_tokens(self, engine: &Engine) -> Result<Vec<u32>, EngineError> {
         match self {
-            Prompt::Text(t) => Ok(tokenizer::encode(&t)),
+            Prompt::Text(t) => encode_text(engine, TextInput::Prompt(t)).await,
             Prompt::Ids(ids) => Ok(ids),
-            Prompt::TextBatch(mut v) if v.len() == 1 => Ok(tokenizer::encode(&v.remove(0))),
+            Prompt::TextBatch(mut v) if v.len() == 1 => {
+                encode_text(engine, TextInput::Prompt(v.remove(0))).await
+            }
             Prompt::IdsBatch(mut v) if v.len() == 1 => Ok(v.remove(0)),
             _ => Err(EngineError::BadRequest(
                 "batched prompts are not supported".into(),
             )),
         }
     }
+}
+
+/// Text to tokenize: a prompt, or chat messages through the template.
+enum TextInput {
+    Prompt(String),
+    Chat {
+        messages: Value,
+        add_generation_prompt: bool,
+    },
+}
+
+/// Ids of `input` with the engine's tokenizer. A real tokenizer runs on the blocking pool: a
+/// long prompt is milliseconds of CPU the runtime's threads must not spend.
+async fn encode_text(engine: &Engine, input: TextInput) -> Result<Vec<u32>, EngineError> {
+    let tokenizer = engine.inner.cfg.tokenizer.clone();
+    let run = move || match input {
+        TextInput::Prompt(text) => tokenizer.encode(&text),
+        TextInput::Chat {
+            messages,
+            add_generation_prompt,
+        } => tokenizer.encode_chat(&messages, add_generation_prompt),
+    };
+    let result = if engine.inner.cfg.tokenizer.is_real() {
+        tokio::task::spawn_blocking(run)
+            .await
+            .map_err(|e| EngineError::BadRequest(format!("tokenizer: {e}")))?
+    } else {
+        run()
+    };
+    result.map_err(|e| EngineError::BadRequest(e.to_string()))
 }
 
 #[derive(Deserialize)]
@@ -52,6 +86,23 @@ struct CompletionRequest {
     max_tokens: Option<usize>,
     #[serde(default)]
     stream: bool,
+}
+
+/// OpenAI chat completions (the fields the simulator uses; others are ignored).
+#[derive(Deserialize)]
+struct ChatRequest {
+    #[serde(default)]
+    model: Option<String>,
+    messages: Value,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+    #[serde(default)]
+    max_completion_tokens: Option<usize>,
+    #[serde(default)]
+    stream: bool,
+    /// vLLM's extra parameter; true by default.
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -72,10 +123,15 @@ struct SamplingParams {
     max_new_tokens: Option<usize>,
 }
 
+/// vLLM's `/tokenize`: a prompt, or chat messages.
 #[derive(Deserialize)]
 struct TokenizeRequest {
     #[serde(default)]
     prompt: Option<String>,
+    #[serde(default)]
+    messages: Option<Value>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
 }
 
 fn requested_rank(headers: &HeaderMap) -> Option<u32> {
@@ -190,7 +246,7 @@ async fn completions(
 ) -> Result<Response, EngineError> {
     let req: CompletionRequest =
         serde_json::from_slice(&body).map_err(|e| EngineError::BadRequest(e.to_string()))?;
-    let prompt = req.prompt.into_tokens()?;
+    let prompt = req.prompt.into_tokens(&engine).await?;
     let prompt_len = prompt.len();
     let model = req.model.unwrap_or_else(|| engine.inner.cfg.model.clone());
     let run = engine
@@ -239,6 +295,73 @@ async fn completions(
     Ok(resp)
 }
 
+async fn chat_completions(
+    State(engine): State<Engine>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, EngineError> {
+    let req: ChatRequest =
+        serde_json::from_slice(&body).map_err(|e| EngineError::BadRequest(e.to_string()))?;
+    let prompt = encode_text(
+        &engine,
+        TextInput::Chat {
+            messages: req.messages,
+            add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+        },
+    )
+    .await?;
+    let prompt_len = prompt.len();
+    let model = req.model.unwrap_or_else(|| engine.inner.cfg.model.clone());
+    let max_tokens = req.max_completion_tokens.or(req.max_tokens).unwrap_or(16);
+    let run = engine
+        .submit(prompt, max_tokens, requested_rank(&headers))
+        .await?;
+    let id = format!("chatcmpl-{}-{}", engine.inner.cfg.name, engine.next_id());
+    let created = now_secs();
+    let cached = run.cached_tokens;
+    let fingerprint = engine.inner.cfg.name.clone();
+    if req.stream {
+        let mut resp = Response::new(Body::empty());
+        sim_headers(&engine, &run, &mut resp);
+        let out_total = run.output_tokens;
+        let body = sse_stream(engine.clone(), run, move |sent, toks, last| {
+            // The first chunk carries the role, as OpenAI's and vLLM's do.
+            let delta = if sent == toks.len() {
+                json!({"role": "assistant", "content": format!(" {}", tokenizer::decode(toks))})
+            } else {
+                json!({"content": format!(" {}", tokenizer::decode(toks))})
+            };
+            json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": fingerprint,
+                "choices": [{"index": 0, "delta": delta, "logprobs": null,
+                             "finish_reason": if last { Value::from("length") } else { Value::Null }}],
+                "usage": if last { json!({"prompt_tokens": prompt_len, "completion_tokens": out_total,
+                    "total_tokens": prompt_len + out_total, "prompt_tokens_details": {"cached_tokens": cached}}) } else { Value::Null },
+            })
+        });
+        *resp.body_mut() = body;
+        resp.headers_mut().insert(
+            "content-type",
+            HeaderValue::from_static("text/event-stream"),
+        );
+        resp.headers_mut()
+            .insert("cache-control", HeaderValue::from_static("no-cache"));
+        return Ok(resp);
+    }
+    let toks = run_to_end(&run).await;
+    let out = toks.len();
+    let mut resp = Json(json!({
+        "id": id, "object": "chat.completion", "created": created, "model": model, "system_fingerprint": fingerprint,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": format!(" {}", tokenizer::decode(&toks))},
+                     "logprobs": null, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": prompt_len, "completion_tokens": out, "total_tokens": prompt_len + out,
+                  "prompt_tokens_details": {"cached_tokens": cached}},
+    }))
+    .into_response();
+    sim_headers(&engine, &run, &mut resp);
+    Ok(resp)
+}
+
 async fn generate(
     State(engine): State<Engine>,
     headers: HeaderMap,
@@ -248,7 +371,7 @@ async fn generate(
         serde_json::from_slice(&body).map_err(|e| EngineError::BadRequest(e.to_string()))?;
     let prompt = match (req.input_ids, req.text) {
         (Some(ids), _) => ids,
-        (None, Some(text)) => tokenizer::encode(&text),
+        (None, Some(text)) => encode_text(&engine, TextInput::Prompt(text)).await?,
         (None, None) => return Err(EngineError::BadRequest("input_ids or text required".into())),
     };
     let prompt_len = prompt.len();
@@ -295,7 +418,19 @@ async fn generate(
 async fn tokenize(State(engine): State<Engine>, body: Bytes) -> Result<Response, EngineError> {
     let req: TokenizeRequest =
         serde_json::from_slice(&body).map_err(|e| EngineError::BadRequest(e.to_string()))?;
-    let tokens = tokenizer::encode(req.prompt.as_deref().unwrap_or(""));
+    let input = match (req.prompt, req.messages) {
+        (Some(_), Some(_)) => {
+            return Err(EngineError::BadRequest(
+                "give prompt or messages, not both".into(),
+            ))
+        }
+        (_, Some(messages)) => TextInput::Chat {
+            messages,
+            add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+        },
+        (prompt, None) => TextInput::Prompt(prompt.unwrap_or_default()),
+    };
+    let tokens = encode_text(&engine, input).await?;
     Ok(Json(json!({"count": tokens.len(), "max_model_len": engine.inner.cfg.max_model_len, "tokens": tokens, "token_strs": null}))
         .into_response())
 }
