@@ -67,6 +67,7 @@ test-e2e: wasm
 	$(CARGO) build -j$(JOBS) -p kvroute-collector -p kvroute-sim
 	bash envoy-config/install-envoy.sh >/dev/null
 	KVROUTE_PROFILE=debug python3 envoy-config/e2e_test.py
+	KVROUTE_PROFILE=debug python3 envoy-config/e2e_text_test.py
 
 ## make bench: criterion benchmarks of the core, the collector and the filter in the host.
 bench: setup wasm
