@@ -93,10 +93,10 @@ impl Policy {
     }
 }
 
-/// The load to decide on, from the fleet's `total` (every gateway's last report summed),
-/// this gateway's `reported` share of it and its `current` books: `total − reported +
-/// current`, never below `current` (a total older than our own report must not hide load we
-/// know of).
+/// The load to decide on, from the fleet's `total`, this gateway's `reported` share of it and
+/// its `current` books: `total − reported + current`, never below `current` (a total older
+/// than our own report must not hide load we know of). When the collector leaves this
+/// gateway's report out of `total` (feed `gateway=`), `reported` is zero: `others + current`.
 pub fn fleet_view(total: Counts, reported: Counts, current: Counts) -> Counts {
     let f = |t: u64, r: u64, c: u64| t.saturating_sub(r).saturating_add(c).max(c);
     Counts {

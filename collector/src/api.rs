@@ -22,6 +22,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
 use crate::edge;
+use crate::fleet::GatewayId;
 use crate::hub::{HubError, Registered};
 use crate::metrics::{EndpointLabels, FeedLabels};
 use crate::text::{TextQueryRequest, TokenizeError, TokenizeRequest, TokenizeResponse};
@@ -354,7 +355,14 @@ fn observe(state: &AppState, endpoint: &'static str, took: Duration) {
 pub struct FeedParams {
     pub epoch: Option<u64>,
     pub since: Option<u64>,
+    /// The reading gateway's id (as in its `/v1/load` reports): its own report is left out of
+    /// the page's load totals, and the answer says so in [`LOAD_EXCLUDES_HEADER`].
+    pub gateway: Option<String>,
 }
+
+/// Response header of `/v1/feed`: the gateway whose own report the page's load totals leave
+/// out. Absent: the totals hold every gateway's report.
+pub const LOAD_EXCLUDES_HEADER: &str = "x-kvroute-load-excludes";
 
 async fn feed(
     State(state): State<AppState>,
@@ -364,7 +372,7 @@ async fn feed(
         ApiError::new(
             StatusCode::BAD_REQUEST,
             format!(
-                "bad query string (want epoch=U64&since=U64): {}",
+                "bad query string (want epoch=U64&since=U64&gateway=ID): {}",
                 e.body_text()
             ),
         )
@@ -400,30 +408,39 @@ async fn feed(
             (b, "snapshot")
         }
     };
-    let bytes = with_fleet_load(&state, bytes);
+    let reader = match p.gateway.as_deref().map(GatewayId::new) {
+        None => None,
+        Some(Ok(id)) => Some(id),
+        Some(Err(e)) => return Err(ApiError::new(StatusCode::BAD_REQUEST, e.to_string())),
+    };
+    let bytes = with_fleet_load(&state, bytes, reader.as_ref());
     state
         .metrics
         .feed_requests
         .get_or_create(&FeedLabels { kind })
         .inc();
     state.metrics.feed_bytes.inc_by(bytes.len() as u64);
-    Ok((
+    let mut resp = (
         [(
             header::CONTENT_TYPE,
             HeaderValue::from_static(FEED_CONTENT_TYPE),
         )],
         bytes,
     )
-        .into_response())
+        .into_response();
+    if let Some(v) = reader.and_then(|r| HeaderValue::from_str(r.as_str()).ok()) {
+        resp.headers_mut().insert(LOAD_EXCLUDES_HEADER, v);
+    }
+    Ok(resp)
 }
 
 /// The page with the fleet's load appended (feed op `Load`, one per worker with a report or
 /// a sample), computed now: cached pages stay shared, the load is always current.
-fn with_fleet_load(state: &AppState, page: Bytes) -> Bytes {
+fn with_fleet_load(state: &AppState, page: Bytes, reader: Option<&GatewayId>) -> Bytes {
     let now = Instant::now();
     let ops: Vec<kvroute::feed::Op> = state
         .fleet()
-        .totals(now)
+        .totals_for(now, reader)
         .into_iter()
         .map(|t| kvroute::feed::Op::Load {
             worker: t.worker,

@@ -342,10 +342,23 @@ impl Fleet {
     /// reported or the scraper sampled. Gateways past the timeout count for nothing even before
     /// [`Fleet::expire`] removes them, so this needs only `&self`.
     pub fn totals(&self, now: Instant) -> Vec<WorkerLoad> {
+        self.totals_for(now, None)
+    }
+
+    /// [`Fleet::totals`] as one gateway should read them: without its own report. A gateway
+    /// adds its live books to what the others reported; subtracting its own last report from
+    /// a sum that may hold an older one would show load it has already released (or hide
+    /// load it has just taken) until the next page.
+    pub fn totals_for(&self, now: Instant, reader: Option<&GatewayId>) -> Vec<WorkerLoad> {
         let mut sums: BTreeMap<WorkerId, LoadCounts> = BTreeMap::new();
-        for g in self.gateways.values().filter(|g| self.live(g, now)) {
+        for (id, g) in self.gateways.iter().filter(|(_, g)| self.live(g, now)) {
+            let own = Some(id) == reader;
             for (w, c) in &g.loads {
-                sums.entry(*w).or_default().add(c);
+                let sum = sums.entry(*w).or_default();
+                // The reader's workers are listed (at the others' load) but not its counts.
+                if !own {
+                    sum.add(c);
+                }
             }
         }
         for w in self.engines.keys() {
@@ -364,6 +377,38 @@ impl Fleet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reader_gets_the_totals_of_the_other_gateways() {
+        let mut f = Fleet::new(FleetConfig::default());
+        let t = Instant::now();
+        f.report(&report("a", 1, &[(1, 2, 100, 10)]), 1, known, 4, t)
+            .unwrap();
+        f.report(
+            &report("b", 1, &[(1, 3, 300, 30), (2, 1, 50, 5)]),
+            1,
+            known,
+            4,
+            t,
+        )
+        .unwrap();
+        let load = |v: &[WorkerLoad], w: u32| {
+            v.iter()
+                .find(|l| l.worker == WorkerId(w))
+                .map(|l| (l.load.requests, l.load.prefill_tokens))
+        };
+        let all = f.totals(t);
+        assert_eq!(load(&all, 1), Some((5, 400)));
+        let for_a = f.totals_for(t, Some(&GatewayId::new("a").unwrap()));
+        assert_eq!(load(&for_a, 1), Some((3, 300)));
+        assert_eq!(load(&for_a, 2), Some((1, 50)));
+        let for_b = f.totals_for(t, Some(&GatewayId::new("b").unwrap()));
+        assert_eq!(load(&for_b, 1), Some((2, 100)));
+        // A worker only the reader loads is still listed, at zero.
+        assert_eq!(load(&for_b, 2), Some((0, 0)));
+        // An unknown reader reads everything.
+        assert_eq!(f.totals_for(t, Some(&GatewayId::new("c").unwrap())), all);
+    }
 
     fn report(gw: &str, epoch: u64, entries: &[(u32, i64, i64, i64)]) -> LoadReport {
         LoadReport {

@@ -281,3 +281,67 @@ fn fleet_flags_have_defaults_and_are_validated() {
         assert!(parse(bad).is_err(), "{bad:?} accepted");
     }
 }
+
+/// The `Load` ops of a `/v1/feed` page, by worker: `(requests, prefill_tokens)`.
+async fn feed_load(c: &Collector, query: &str) -> (Option<String>, Vec<(u32, u64, u64)>) {
+    let r = c
+        .http
+        .get(format!("{}/v1/feed{query}", c.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let excludes = r
+        .headers()
+        .get("x-kvroute-load-excludes")
+        .map(|v| v.to_str().unwrap().to_owned());
+    let page = kvroute::feed::Page::decode(&r.bytes().await.unwrap()).unwrap();
+    let mut loads: Vec<(u32, u64, u64)> = page
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            kvroute::feed::Op::Load {
+                worker,
+                requests,
+                prefill_tokens,
+                ..
+            } => Some((worker.0, *requests, *prefill_tokens)),
+            _ => None,
+        })
+        .collect();
+    loads.sort_unstable();
+    (excludes, loads)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_reads_the_feed_totals_without_its_own_report() {
+    let (c, a, b, epoch) = two_workers(&[]).await;
+    c.post_load(report("gw/1", epoch, vec![entry(a, 2, 100, 10)]))
+        .await;
+    c.post_load(report(
+        "gw-2",
+        epoch,
+        vec![entry(a, 3, 50, 5), entry(b, 1, 7, 0)],
+    ))
+    .await;
+    // No reader: every gateway's report, and no header.
+    let (excludes, all) = feed_load(&c, "").await;
+    assert_eq!(excludes, None);
+    assert_eq!(all, vec![(a, 5, 150), (b, 1, 7)]);
+    // gw/1 (percent-encoded) reads gw-2's load only, and is told so.
+    let (excludes, mine) = feed_load(&c, "?gateway=gw%2F1").await;
+    assert_eq!(excludes.as_deref(), Some("gw/1"));
+    assert_eq!(mine, vec![(a, 3, 50), (b, 1, 7)]);
+    // A gateway that never reported reads everything; a bad id is a 400 with JSON.
+    assert_eq!(feed_load(&c, "?gateway=gw-3").await.1, all);
+    let long = "g".repeat(200);
+    let r = c
+        .http
+        .get(format!("{}/v1/feed?gateway={long}", c.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"].as_str().unwrap().contains("gateway"), "{v}");
+}

@@ -34,7 +34,7 @@ struct WorkerReport {
 /// This Envoy's gateway id: configured; else made once (Envoy's node id with a random suffix,
 /// as two replicas may share a node id) and kept in shared data so every VM (and the next
 /// lease holder) reports under the same name.
-fn gateway_id(vm: &Vm) -> Option<String> {
+pub fn gateway_id(vm: &Vm) -> Option<String> {
     if let Some(id) = &vm.config().gateway_id {
         return Some(id.clone());
     }
@@ -128,8 +128,25 @@ pub fn send(vm: &Vm, now: u64) -> Option<(u32, Sent)> {
     }
 }
 
+/// The collector's `/v1/feed` response header naming the gateway whose own report its load
+/// totals leave out.
+pub const LOAD_EXCLUDES_HEADER: &str = "x-kvroute-load-excludes";
+
+/// Appends `s` to a URL query, percent-encoding every byte but RFC 3986's unreserved ones.
+pub fn push_url_encoded(out: &mut String, s: &str) {
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+}
+
 /// The collector's answer: on 200 the report is part of the fleet totals from now on.
-pub fn on_answer(vm: &Vm, num_headers: usize, sent: &[(u32, Counts)]) {
+/// `keep_share`: record it as this gateway's share of the totals, to be subtracted from them
+/// (false when the collector's totals already leave this gateway out).
+pub fn on_answer(vm: &Vm, num_headers: usize, sent: &[(u32, Counts)], keep_share: bool) {
     let status = (num_headers > 0)
         .then(|| host::get_header(MapType::HttpCallResponseHeaders, ":status"))
         .flatten();
@@ -143,6 +160,9 @@ pub fn on_answer(vm: &Vm, num_headers: usize, sent: &[(u32, Counts)]) {
     }
     host::increment_metric(vm.metrics.load_reports, 1);
     let max = vm.config().limits.max_workers;
+    if !keep_share {
+        return;
+    }
     if mirror::update_fleet(&HostStore, &vm.keys, |f| {
         f.set_reported(sent, max);
         true
@@ -155,12 +175,16 @@ pub fn on_answer(vm: &Vm, num_headers: usize, sent: &[(u32, Counts)]) {
 
 /// Stores a page's fleet totals, then clears this Envoy's books of engines idle for two
 /// samples while the books still hold work for them.
-pub fn take_fleet(vm: &Vm, page: &Page, now: u64) {
+/// `excludes_own`: the totals leave this gateway's report out, so no share of them is ours.
+pub fn take_fleet(vm: &Vm, page: &Page, now: u64, excludes_own: bool) {
     let max = vm.config().limits.max_workers;
     let mut idle = Vec::new();
     let r = mirror::update_fleet(&HostStore, &vm.keys, |f| {
         if !f.apply_ops(&page.ops, max, now) {
             return false;
+        }
+        if excludes_own {
+            f.set_reported(&[], max);
         }
         idle = f
             .workers

@@ -26,6 +26,9 @@ pub(crate) struct Root {
     blocks_this_tick: u64,
     ticks: Cell<u64>,
     last_error_log_ms: u64,
+    /// Whether the last feed page's load totals left this gateway's own report out (a
+    /// collector that honours `gateway=`): own reports are then not subtracted again.
+    totals_exclude_own: bool,
 }
 
 impl Root {
@@ -37,6 +40,7 @@ impl Root {
             blocks_this_tick: 0,
             ticks: Cell::new(0),
             last_error_log_ms: 0,
+            totals_exclude_own: false,
         }
     }
 
@@ -54,7 +58,13 @@ impl Root {
             Ok((s, _)) => s.feed_query(),
             Err(_) => String::new(),
         };
-        let path = format!("/v1/feed{query}");
+        let mut path = format!("/v1/feed{query}");
+        // With fleet load, ask for the totals without our own report: we add our live books.
+        if let Some(id) = cfg.fleet.then(|| crate::report::gateway_id(vm)).flatten() {
+            path.push(if query.is_empty() { '?' } else { '&' });
+            path.push_str("gateway=");
+            crate::report::push_url_encoded(&mut path, &id);
+        }
         let auth = cfg.read_token.as_ref().map(|t| format!("Bearer {t}"));
         let mut headers = vec![
             (":method", "GET"),
@@ -113,7 +123,13 @@ impl Root {
         host::increment_metric(vm.metrics.feed_pages, 1);
         let cfg = vm.config();
         let now = host::now_ms();
-        crate::report::take_fleet(vm, &page, now);
+        let excludes = host::get_header(
+            MapType::HttpCallResponseHeaders,
+            crate::report::LOAD_EXCLUDES_HEADER,
+        );
+        self.totals_exclude_own = excludes
+            .is_some_and(|v| crate::report::gateway_id(vm).is_some_and(|id| v == id.as_bytes()));
+        crate::report::take_fleet(vm, &page, now, self.totals_exclude_own);
         match mirror::apply_page(&HostStore, &vm.keys, &cfg.limits, &page, now) {
             Ok(applied) => {
                 self.blocks_this_tick += applied.stats.blocks;
@@ -178,7 +194,7 @@ impl Context for Root {
     ) {
         if self.report.as_ref().map(|r| r.0) == Some(token_id) {
             if let (Some((_, _, sent)), Some(vm)) = (self.report.take(), self.vm.clone()) {
-                crate::report::on_answer(&vm, num_headers, &sent);
+                crate::report::on_answer(&vm, num_headers, &sent, !self.totals_exclude_own);
             }
             return;
         }

@@ -109,6 +109,11 @@ struct FeedState {
     fleet: Vec<Op>,
     /// Bodies of the `POST /v1/load` reports received.
     reports: Vec<serde_json::Value>,
+    /// Serve the fleet as a collector does: `Load` ops summed from the last report of each
+    /// gateway, leaving out the one a `gateway=` query names (then said in the answer's
+    /// `x-kvroute-load-excludes`). `Some(false)`: summed, but `gateway=` ignored (a collector
+    /// that predates it).
+    sum_reports: Option<bool>,
     /// How `/query` is answered (404 JSON, "no tokenizer", when unset).
     query: Option<QueryHandler>,
     /// Bodies of the `/query` callouts received.
@@ -179,11 +184,26 @@ impl FakeCollector {
         };
         let mut page = page;
         page.ops.extend(s.fleet.iter().cloned());
+        let reader = s
+            .sum_reports
+            .filter(|honour| *honour)
+            .and_then(|_| text_param(&path, "gateway"));
+        if s.sum_reports.is_some() {
+            page.ops
+                .extend(summed_reports(&s.reports, reader.as_deref()));
+        }
         let bytes = page.to_bytes();
         s.feed_bytes += bytes.len() as u64;
-        CalloutReply::Response(
-            Response::ok(bytes).header("content-type", "application/x-kvroute-feed"),
-        )
+        let mut resp = Response::ok(bytes).header("content-type", "application/x-kvroute-feed");
+        if let Some(r) = reader {
+            resp = resp.header("x-kvroute-load-excludes", &r);
+        }
+        CalloutReply::Response(resp)
+    }
+
+    /// Serves `Load` ops summed from the gateways' reports (see `sum_reports`).
+    pub fn sum_reports(&self, honour_gateway: bool) {
+        self.state.lock().unwrap().sum_reports = Some(honour_gateway);
     }
 
     pub fn push(&self, op: Op) {
@@ -283,6 +303,57 @@ impl FakeCollector {
     pub fn pulls(&self) -> u64 {
         self.state.lock().unwrap().pulls
     }
+}
+
+/// `Load` ops from the last report of each gateway but `reader`.
+fn summed_reports(reports: &[serde_json::Value], reader: Option<&str>) -> Vec<Op> {
+    let mut last: std::collections::BTreeMap<String, &serde_json::Value> = Default::default();
+    for r in reports {
+        last.insert(r["gateway"].as_str().unwrap_or_default().to_owned(), r);
+    }
+    let mut sums: std::collections::BTreeMap<u64, [u64; 3]> = Default::default();
+    for (gw, r) in last {
+        for w in r["workers"].as_array().into_iter().flatten() {
+            let sum = sums.entry(w["worker"].as_u64().unwrap_or(0)).or_default();
+            if Some(gw.as_str()) != reader {
+                for (i, k) in ["requests", "prefill_tokens", "decode_tokens"]
+                    .iter()
+                    .enumerate()
+                {
+                    sum[i] += w[*k].as_u64().unwrap_or(0);
+                }
+            }
+        }
+    }
+    sums.into_iter()
+        .map(|(w, [requests, prefill_tokens, decode_tokens])| Op::Load {
+            worker: kvroute::event::WorkerId(w as u32),
+            requests,
+            prefill_tokens,
+            decode_tokens,
+            engine: None,
+        })
+        .collect()
+}
+
+/// A query parameter's text, percent-decoded.
+pub fn text_param(path: &str, name: &str) -> Option<String> {
+    let q = path.split_once('?')?.1;
+    let raw = q.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k == name).then_some(v)
+    })?;
+    let mut out = Vec::new();
+    let mut bytes = raw.bytes();
+    while let Some(b) = bytes.next() {
+        if b == b'%' {
+            let hex: String = bytes.by_ref().take(2).map(char::from).collect();
+            out.push(u8::from_str_radix(&hex, 16).ok()?);
+        } else {
+            out.push(b);
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 pub fn query_param(path: &str, name: &str) -> Option<u64> {

@@ -109,6 +109,39 @@ fn fleet_totals_steer_a_cold_request_away_from_a_busy_engine() {
 }
 
 #[test]
+fn released_load_is_not_counted_again_from_the_collectors_totals() {
+    // Honoured: the feed's totals leave this gateway out, it adds its own live books.
+    // Not honoured (an older collector): its last report is subtracted from the totals, and
+    // between a report's answer and the next page a released request still looks in flight.
+    for honour in [true, false] {
+        let (mut gw, feed) = setup(json!({"load": {"gateway_id": "gw/1 a"}}));
+        feed.sum_reports(honour);
+        // Two requests in flight, one per engine; the first then finishes.
+        let (big, on_big) = hold(&mut gw, 1000);
+        let (_small, on_small) = hold(&mut gw, 2000);
+        assert_ne!(on_big, on_small);
+        sync(&mut gw);
+        gw.respond(big, kvroute_host_test::Response::ok("x"));
+        // One more tick: the report of zero for the freed engine is answered, the page it
+        // pulled in the same tick was summed before it.
+        sync(&mut gw);
+        let pulled = gw
+            .callouts()
+            .iter()
+            .rfind(|c| c.path().starts_with("/v1/feed"))
+            .map(|c| c.path().to_owned())
+            .unwrap_or_default();
+        assert!(pulled.contains("gateway=gw%2F1%20a"), "{pulled}");
+        // The freed engine is now the idle one: a cold request belongs there.
+        let (_next, to) = hold(&mut gw, 3000);
+        // Against an older collector the released request still counts until the next page
+        // (the phantom this protocol removes), so the cold request goes to the busy engine.
+        assert_eq!(to == on_big, honour, "honoured {honour}: sent to {to}");
+        assert_eq!(gw.metric("kvroute.load_errors").unwrap_or(0), 0);
+    }
+}
+
+#[test]
 fn a_saturated_engine_gets_no_cold_request_and_stale_samples_are_ignored() {
     let full = EngineSample {
         waiting: 9,

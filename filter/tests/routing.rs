@@ -175,7 +175,9 @@ fn a_heavily_loaded_best_match_loses() {
     feed.hold(1, &prompt[..48], "default", "m", None, None); // b: 3 blocks
     let other = tokens(9000, 256);
     feed.hold(0, &other, "default", "m", None, None); // only a holds `other`
-    let mut gw = gateway(&config(json!({})), 1);
+                                                      // No speculative holders: the request sent to b below would make b hold all of `prompt`
+                                                      // too, and the last pick would be a coin toss.
+    let mut gw = gateway(&config(json!({"route": {"speculative_ttl_ms": 0}})), 1);
     feed.attach(&mut gw);
     sync(&mut gw);
     // Idle: a wins.
