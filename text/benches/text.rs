@@ -31,7 +31,12 @@ fn benches(c: &mut Criterion) {
     });
     g.throughput(Throughput::Elements(20));
     g.bench_function("render_chat_20_turns", |b| {
-        b.iter(|| tokenizer.render_chat(black_box(&turns), true).unwrap().len())
+        b.iter(|| {
+            tokenizer
+                .render_chat(black_box(&turns), true)
+                .unwrap()
+                .len()
+        })
     });
     g.finish();
 }
