@@ -4,9 +4,11 @@
 //! Through the collector's router (`app(state).oneshot`), no sockets: an index where one
 //! worker holds every block of an 8,192-token prompt (block size 16) and `/query` with
 //! (a) the token ids, (b) the prompt text, (c) the same text as one chat message; plus
-//! `kvroute-text` alone on that text. The prompt is the Mooncake replay's text
-//! (`kvroute_text::synth`, 16 blocks of 512 Qwen3 tokens). After criterion's figures, a
-//! 2,000-request loop per shape prints p50 / p99 / max.
+//! `kvroute-text` alone on that text without its piece cache. The prompt is the Mooncake
+//! replay's text (`kvroute_text::synth`, 16 blocks of 512 Qwen3 tokens). Repeated bodies hit
+//! the tokenizer's piece cache; so the p50 / p99 / max loop after criterion's figures also
+//! sends never-seen 8k prompts (cold) and the next turn of a 16-turn conversation (15 turns
+//! seen, one new).
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -122,16 +124,47 @@ fn bodies(s: &Setup) -> [(&'static str, String); 3] {
     ]
 }
 
+/// `n` request bodies of one shape, each different where the shape says so.
+fn varied(shape: &str, n: u64) -> Vec<String> {
+    (0..n)
+        .map(|i| match shape {
+            // A prompt never seen before: every piece tokenized (cold).
+            "prompt_cold" => {
+                let ids: Vec<u64> = (0..16).map(|b| 1_000_000 + i * 16 + b).collect();
+                json!({"model_name": MODEL, "prompt": kvroute_text::synth::trace_text(&ids)})
+                    .to_string()
+            }
+            // The next turn of a conversation: 15 earlier turns of 512 tokens (seen before),
+            // one new user turn of 512 tokens.
+            _ => {
+                let mut messages: Vec<serde_json::Value> = (0..15u64)
+                    .map(|t| {
+                        let role = if t % 2 == 0 { "user" } else { "assistant" };
+                        json!({"role": role, "content": kvroute_text::synth::block_text(2000 + t)})
+                    })
+                    .collect();
+                messages.push(json!({"role": "user", "content": kvroute_text::synth::block_text(3_000_000 + i)}));
+                json!({"model_name": MODEL, "messages": messages}).to_string()
+            }
+        })
+        .collect()
+}
+
 fn text_benches(c: &mut Criterion) {
     let s = setup();
     let tokenizer = kvroute_text::Tokenizer::from_dir(qwen3_dir()).unwrap();
     let mut g = c.benchmark_group("text_8k");
     g.measurement_time(Duration::from_secs(4));
-    g.bench_function("encode_prompt", |b| {
-        b.iter(|| tokenizer.encode(black_box(&s.text)).unwrap().len())
+    g.bench_function("encode_prompt_uncached", |b| {
+        b.iter(|| {
+            tokenizer
+                .encode_uncached(black_box(&s.text), true)
+                .unwrap()
+                .len()
+        })
     });
     for (name, body) in bodies(&s) {
-        g.bench_function(format!("query_{name}"), |b| {
+        g.bench_function(format!("query_{name}_repeated"), |b| {
             b.iter(|| s.rt.block_on(query(&s.state, black_box(&body))))
         });
     }
@@ -139,19 +172,27 @@ fn text_benches(c: &mut Criterion) {
     percentiles(&s);
 }
 
-/// p50 / p99 / max of 2,000 sequential requests per shape (criterion reports means).
+/// p50 / p99 / max per shape (criterion reports means): 2,000 requests of the repeated
+/// shapes, 300 of the varied ones (a cold 8k prompt takes tens of ms).
 fn percentiles(s: &Setup) {
-    for (name, body) in bodies(s) {
-        let mut took: Vec<Duration> = (0..2000)
-            .map(|_| {
+    let mut shapes: Vec<(String, Vec<String>)> = bodies(s)
+        .into_iter()
+        .map(|(name, body)| (format!("{name}_repeated"), vec![body; 2000]))
+        .collect();
+    shapes.push(("prompt_cold".into(), varied("prompt_cold", 300)));
+    shapes.push(("chat_next_turn".into(), varied("chat_next_turn", 300)));
+    for (name, bodies) in shapes {
+        let mut took: Vec<Duration> = bodies
+            .iter()
+            .map(|body| {
                 let t = Instant::now();
-                s.rt.block_on(query(&s.state, &body));
+                s.rt.block_on(query(&s.state, body));
                 t.elapsed()
             })
             .collect();
         took.sort();
         println!(
-            "query_{name:<9} 8192 tokens: p50 {:>8.1?}  p99 {:>8.1?}  max {:>8.1?}",
+            "query {name:<18} ~8192 tokens: p50 {:>8.1?}  p99 {:>8.1?}  max {:>8.1?}",
             took[took.len() / 2],
             took[took.len() * 99 / 100],
             took[took.len() - 1]

@@ -17,6 +17,7 @@
 mod error;
 mod limits;
 mod message;
+mod segments;
 pub mod synth;
 mod template;
 mod tokenizer;
