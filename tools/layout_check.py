@@ -24,6 +24,7 @@ CRATE_SRC_DIRS = [
     "filter/src",
     "host-test/src",
     "sim/src",
+    "text/src",
     "bench/src",
     "js/src",
 ]

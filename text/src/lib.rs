@@ -15,11 +15,14 @@
 //! tokenizer and the template engine run behind `catch_unwind`, templates with a fuel bound.
 
 mod error;
+mod limits;
 mod message;
+mod segments;
 pub mod synth;
 mod template;
 mod tokenizer;
 
 pub use error::{LoadError, TextError};
+pub use limits::Limits;
 pub use message::{parse_messages, Message};
-pub use tokenizer::{Limits, Tokenizer};
+pub use tokenizer::Tokenizer;

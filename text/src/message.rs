@@ -3,7 +3,7 @@
 use serde_json::{Map, Value};
 
 use crate::error::TextError;
-use crate::tokenizer::Limits;
+use crate::limits::Limits;
 
 /// One chat message with its content as plain text.
 ///

@@ -7,29 +7,10 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::{LoadError, TextError};
+use crate::limits::Limits;
 use crate::message::Message;
+use crate::segments::Segmenter;
 use crate::template::{ChatTemplate, SpecialTokens};
-
-/// Size limits, checked before any tokenizing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    /// Most bytes of a prompt or of all messages' content together; a rendered chat may be
-    /// twice this (template boilerplate around many short messages).
-    pub max_text_bytes: usize,
-    /// Most messages in one chat.
-    pub max_messages: usize,
-}
-
-impl Default for Limits {
-    /// 1 MiB of text (about 250k tokens, the collector's default `--max-query-tokens`) and
-    /// 2,048 messages.
-    fn default() -> Self {
-        Limits {
-            max_text_bytes: 1 << 20,
-            max_messages: 2048,
-        }
-    }
-}
 
 /// A model's tokenizer and chat template. `Send + Sync`: share one behind an `Arc`.
 pub struct Tokenizer {
@@ -37,7 +18,12 @@ pub struct Tokenizer {
     template: Option<ChatTemplate>,
     special: SpecialTokens,
     limits: Limits,
+    /// Piecewise encoding with a cache of pieces, where that is exact.
+    segmenter: Option<Segmenter>,
 }
+
+/// Memory for cached pieces per tokenizer: about a million tokens of conversation turns.
+const PIECE_CACHE_BYTES: usize = 32 << 20;
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -125,11 +111,13 @@ impl Tokenizer {
                 })
             })
             .transpose()?;
+        let segmenter = Segmenter::build(&inner, PIECE_CACHE_BYTES);
         Ok(Tokenizer {
             inner,
             template,
             special,
             limits: Limits::default(),
+            segmenter,
         })
     }
 
@@ -142,6 +130,28 @@ impl Tokenizer {
     /// The limits in force.
     pub fn limits(&self) -> &Limits {
         &self.limits
+    }
+
+    /// Whether texts are encoded piece by piece between added tokens with a cache of the
+    /// pieces (exact for this tokenizer; see the `segments` module).
+    pub fn caches_pieces(&self) -> bool {
+        self.segmenter.is_some()
+    }
+
+    /// Encodes with `tokenizers` in one pass, no piece cache (tests compare the two).
+    pub fn encode_uncached(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TextError> {
+        let encoded = catch_unwind(AssertUnwindSafe(|| {
+            self.inner.encode_fast(text, add_special_tokens)
+        }));
+        match encoded {
+            Ok(Ok(encoding)) => Ok(encoding.get_ids().to_vec()),
+            Ok(Err(e)) => Err(TextError::Encode(e.to_string())),
+            Err(_) => Err(TextError::Encode("the tokenizer panicked".into())),
+        }
     }
 
     /// Whether chat messages can be rendered.
@@ -204,11 +214,16 @@ impl Tokenizer {
     pub fn encode_raw(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
         // `tokenizers` reports errors as values; the guard keeps a panic on some unforeseen
         // input from taking the process down.
-        let encoded = catch_unwind(AssertUnwindSafe(|| {
-            self.inner.encode_fast(text, add_special_tokens)
+        let encoded = catch_unwind(AssertUnwindSafe(|| match &self.segmenter {
+            // Exact for both: the segmenter exists only where no special tokens are added.
+            Some(segmenter) => segmenter.encode(&self.inner, text),
+            None => self
+                .inner
+                .encode_fast(text, add_special_tokens)
+                .map(|e| e.get_ids().to_vec()),
         }));
         match encoded {
-            Ok(Ok(encoding)) => Ok(encoding.get_ids().to_vec()),
+            Ok(Ok(ids)) => Ok(ids),
             Ok(Err(e)) => Err(TextError::Encode(e.to_string())),
             Err(_) => Err(TextError::Encode("the tokenizer panicked".into())),
         }

@@ -100,3 +100,39 @@ fn a_completions_prompt_gets_no_bos_from_qwen3() {
     let ids = qwen3().encode("<|im_start|>user\nhi").unwrap();
     assert_eq!(ids.first(), Some(&151644));
 }
+
+#[test]
+fn piecewise_cached_encoding_equals_one_pass_encoding() {
+    assert!(qwen3().caches_pieces());
+    let reference = reference();
+    let mut texts: Vec<String> = reference["encode"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap().to_owned())
+        .collect();
+    texts.extend(
+        reference["chat"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["text"].as_str().unwrap().to_owned()),
+    );
+    texts.push("<think>\nlong reasoning that is certainly longer than the cache's minimum piece\n</think>\n\n<tool_call>{\"a\": 1}</tool_call><|im_end|>".into());
+    texts.push(kvroute_text::synth::trace_text(&[1, 2]));
+    // Twice: the second pass reads the pieces from the cache.
+    for _ in 0..2 {
+        for text in &texts {
+            assert_eq!(
+                qwen3().encode_raw(text, false).unwrap(),
+                qwen3().encode_uncached(text, false).unwrap(),
+                "{text:?}"
+            );
+            assert_eq!(
+                qwen3().encode(text).unwrap(),
+                qwen3().encode_uncached(text, true).unwrap(),
+                "{text:?}"
+            );
+        }
+    }
+}
