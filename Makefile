@@ -110,13 +110,14 @@ demo: wasm native
 ## make js: js/pkg (package.json, web/ for browsers and bundlers, node/ for Node) and the
 ## browser build the collector's fleet page embeds, in collector/ui/pkg (committed to git, so
 ## the collector builds without wasm tools). The CLI is installed at exactly the version of the
-## wasm-bindgen crate in Cargo.lock: the macro and the CLI must agree.
-JS_TOOLS     := $(abspath $(TARGET_DIR))/tools
+## wasm-bindgen crate in Cargo.lock: the macro and the CLI must agree. It goes where `cargo
+## install` puts tools (the cargo home), so every checkout on the machine shares one install.
+CARGO_HOME_DIR := $(if $(CARGO_HOME),$(CARGO_HOME),$(HOME)/.cargo)
+JS_TOOLS     := $(CARGO_HOME_DIR)
 WASM_BINDGEN := $(JS_TOOLS)/bin/wasm-bindgen
 WASM_BINDGEN_VERSION := $(shell sed -n '/^name = "wasm-bindgen"$$/{n;s/^version = "\(.*\)"/\1/p;}' Cargo.lock)
 JS_VERSION   := $(shell sed -n 's/^version = "\(.*\)"/\1/p' js/Cargo.toml | head -n1)
 JS_WASM      := $(TARGET_DIR)/wasm32-unknown-unknown/release/kvroute_js.wasm
-CARGO_HOME_DIR := $(if $(CARGO_HOME),$(CARGO_HOME),$(HOME)/.cargo)
 # Panic locations carry source paths: remapped so the committed collector/ui/pkg is the same
 # bytes whichever checkout or machine builds it.
 JS_RUSTFLAGS := --remap-path-prefix=$(CURDIR)=kvroute --remap-path-prefix=$(CARGO_HOME_DIR)=cargo
@@ -126,8 +127,8 @@ js-tools:
 	@# --locked first; a registry missing one of the CLI's locked dependencies makes it fail,
 	@# then the dependencies resolve afresh (the CLI's own version stays pinned).
 	@if [ "$$($(WASM_BINDGEN) --version 2>/dev/null)" != "wasm-bindgen $(WASM_BINDGEN_VERSION)" ]; then \
-	  $(CARGO) install -j$(JOBS) --force --locked --root $(JS_TOOLS) --target-dir $(JS_TOOLS)/build wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION) || \
-	  $(CARGO) install -j$(JOBS) --force --root $(JS_TOOLS) --target-dir $(JS_TOOLS)/build wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION); \
+	  $(CARGO) install -j$(JOBS) --force --locked --root $(JS_TOOLS) wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION) || \
+	  $(CARGO) install -j$(JOBS) --force --root $(JS_TOOLS) wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION); \
 	fi
 
 js: js-tools
