@@ -41,6 +41,15 @@ pub enum Api {
     CompletionsPrompt,
 }
 
+/// One request's prompt as sent: the API path, the body's `prompt` or `messages` value, and
+/// the token ids where the client knows them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BodyPrompt {
+    pub path: &'static str,
+    pub value: Value,
+    pub ids: Option<Arc<[u32]>>,
+}
+
 /// Prompts prepared before a replay, by trace index: the text of each request and, when a
 /// client-side tokenizer made them, its token ids. Shared by every policy of a scenario so
 /// each sees the same bytes.
@@ -65,7 +74,7 @@ impl Prompts {
         api: Api,
         rec: &TraceRecord,
         index: usize,
-    ) -> Result<(&'static str, Value, Option<Arc<[u32]>>), String> {
+    ) -> Result<BodyPrompt, String> {
         let ids = || -> Arc<[u32]> {
             prompts
                 .and_then(|p| p.ids.get(index).cloned())
@@ -77,7 +86,7 @@ impl Prompts {
                 .ok_or_else(|| format!("no text prompt for request {index}"))
         };
         let known = prompts.and_then(|p| p.ids.get(index).cloned());
-        Ok(match api {
+        let (path, value, ids) = match api {
             Api::CompletionsIds => {
                 let t = ids();
                 ("/v1/completions", json!(&*t), Some(t))
@@ -93,7 +102,8 @@ impl Prompts {
             ),
             // The chat ids (if any) are not this prompt's: leave the count to the engine.
             Api::CompletionsPrompt => ("/v1/completions", json!(&*text()?), None),
-        })
+        };
+        Ok(BodyPrompt { path, value, ids })
     }
 }
 
@@ -401,14 +411,17 @@ async fn one(
         status: 0,
         error: None,
     };
-    let (path, prompt, tokens) =
-        match Prompts::body_prompt(cfg.prompts.as_deref(), cfg.api, rec, index) {
-            Ok(p) => p,
-            Err(e) => {
-                result.error = Some(e);
-                return result;
-            }
-        };
+    let BodyPrompt {
+        path,
+        value: prompt,
+        ids: tokens,
+    } = match Prompts::body_prompt(cfg.prompts.as_deref(), cfg.api, rec, index) {
+        Ok(p) => p,
+        Err(e) => {
+            result.error = Some(e);
+            return result;
+        }
+    };
     let tokens: Arc<[u32]> = tokens.unwrap_or_else(|| Arc::from(Vec::new()));
     result.prompt_tokens = tokens.len();
     let sent = Instant::now();
@@ -537,8 +550,7 @@ fn parse_tail(tail: &[u8], result: &mut RequestResult) {
                 .and_then(Value::as_u64)
                 .map_or(0, |c| c as usize);
         }
-        if result.engine.is_some() && result.cached_tokens.is_some() && result.prompt_tokens > 0
-        {
+        if result.engine.is_some() && result.cached_tokens.is_some() && result.prompt_tokens > 0 {
             break;
         }
     }
@@ -596,18 +608,25 @@ mod tests {
             ids: vec![Arc::from(vec![7u32, 8, 9])],
         };
         let p = Some(&prompts);
-        let (path, v, ids) = Prompts::body_prompt(p, Api::ChatText, &rec, 0).unwrap();
-        assert_eq!(path, "/v1/chat/completions");
-        assert_eq!(v, json!([{"role": "user", "content": " the cat"}]));
-        assert_eq!(ids.as_deref(), Some(&[7u32, 8, 9][..]));
-        let (path, v, ids) = Prompts::body_prompt(p, Api::CompletionsPrompt, &rec, 0).unwrap();
-        assert_eq!((path, v, ids), ("/v1/completions", json!(" the cat"), None));
+        let b = Prompts::body_prompt(p, Api::ChatText, &rec, 0).unwrap();
+        assert_eq!(b.path, "/v1/chat/completions");
+        assert_eq!(b.value, json!([{"role": "user", "content": " the cat"}]));
+        assert_eq!(b.ids.as_deref(), Some(&[7u32, 8, 9][..]));
+        let b = Prompts::body_prompt(p, Api::CompletionsPrompt, &rec, 0).unwrap();
+        assert_eq!(
+            b,
+            BodyPrompt {
+                path: "/v1/completions",
+                value: json!(" the cat"),
+                ids: None
+            }
+        );
         // Prepared ids replace the trace's; without them the trace's toy ids are sent.
-        let (_, v, _) = Prompts::body_prompt(p, Api::CompletionsIds, &rec, 0).unwrap();
-        assert_eq!(v, json!([7, 8, 9]));
-        let (_, v, ids) = Prompts::body_prompt(None, Api::CompletionsIds, &rec, 0).unwrap();
-        assert_eq!(v, json!(rec.prompt(0)));
-        assert_eq!(ids.map(|i| i.len()), Some(600));
+        let b = Prompts::body_prompt(p, Api::CompletionsIds, &rec, 0).unwrap();
+        assert_eq!(b.value, json!([7, 8, 9]));
+        let b = Prompts::body_prompt(None, Api::CompletionsIds, &rec, 0).unwrap();
+        assert_eq!(b.value, json!(rec.prompt(0)));
+        assert_eq!(b.ids.map(|i| i.len()), Some(600));
         // A text API without a text is an error result, not a panic.
         assert!(Prompts::body_prompt(p, Api::ChatText, &rec, 1).is_err());
         assert!(Prompts::body_prompt(None, Api::CompletionsPrompt, &rec, 0).is_err());

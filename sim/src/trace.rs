@@ -107,7 +107,10 @@ mod tests {
         let common = a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count();
         let two_blocks = rec(&[1, 2]).text().len();
         // Block 3 and block 4 may start with the same word; never with the same block.
-        assert!(common >= two_blocks && common < a.len(), "{common} vs {two_blocks}");
+        assert!(
+            common >= two_blocks && common < a.len(),
+            "{common} vs {two_blocks}"
+        );
         assert_eq!(rec(&[1, 2, 3]).text(), a);
     }
 }

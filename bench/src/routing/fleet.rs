@@ -63,8 +63,9 @@ pub async fn start_fleet_with(
     tokenizer: Option<&Path>,
 ) -> anyhow::Result<Fleet> {
     let text = match tokenizer {
-        Some(dir) => TextTokenizer::from_dir(dir)
-            .with_context(|| format!("tokenizer {}", dir.display()))?,
+        Some(dir) => {
+            TextTokenizer::from_dir(dir).with_context(|| format!("tokenizer {}", dir.display()))?
+        }
         None => TextTokenizer::Toy,
     };
     let mut engines = Vec::new();

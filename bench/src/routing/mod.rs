@@ -192,13 +192,22 @@ impl Ctx {
                 );
                 routed(k.clone(), Some(k))
             }
-            "kvroute" | "kvroute-2gw" | "kvroute-2gw-nofleet" | "kvroute-ids"
-            | "kvroute-text-chat" | "kvroute-text-prompt" | "kvroute-text-approx" => {
+            "kvroute"
+            | "kvroute-2gw"
+            | "kvroute-2gw-nofleet"
+            | "kvroute-ids"
+            | "kvroute-text-chat"
+            | "kvroute-text-prompt"
+            | "kvroute-text-approx" => {
                 let setup = match &self.gateway {
                     Ok(s) => s,
                     Err(why) => return Ok(Prepared::Skipped(why.clone())),
                 };
-                let n = if name.starts_with("kvroute-2gw") { 2 } else { 1 };
+                let n = if name.starts_with("kvroute-2gw") {
+                    2
+                } else {
+                    1
+                };
                 let mut keys = text
                     .as_ref()
                     .map_or_else(serde_json::Map::new, |t| t.filter_keys.clone());

@@ -502,4 +502,49 @@ mod tests {
         assert!((l.prefill_spread() - 100.0 / (250.0 / 3.0)).abs() < 1e-9);
         assert_eq!(l.computed_tokens(), 250);
     }
+
+    fn ran(policy: &str, cached: u64, ttft_p90: f64) -> PolicyResult {
+        PolicyResult {
+            skipped: None,
+            summary: Some(Summary {
+                model_ttft_p90_s: ttft_p90,
+                ..Summary::default()
+            }),
+            engines: EngineLoad {
+                requests: vec![1],
+                prompt_tokens: vec![1000],
+                cached_tokens: vec![cached],
+            },
+            ..PolicyResult::skipped(policy, String::new())
+        }
+    }
+
+    #[test]
+    fn text_targets_are_relative_to_the_token_id_path_and_to_sglang() {
+        let all = vec![(
+            "text".to_string(),
+            vec![
+                ran("kvroute-ids", 500, 1.0),
+                ran("kvroute-text-chat", 491, 1.0), // 0.982× the ids' rate: met
+                ran("kvroute-text-prompt", 489, 1.0), // 0.978×: missed
+                ran("kvroute-text-approx", 300, 2.0),
+                ran("sglang-router", 300, 2.0), // equal p90 is not better
+            ],
+        )];
+        let t = targets(&all);
+        let met = |prefix: &str| {
+            t.iter()
+                .filter(|c| c.scenario == "text" && c.target.starts_with(prefix))
+                .map(|c| c.met)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(met("kvroute-text-chat"), [Some(true)]);
+        assert_eq!(met("kvroute-text-prompt"), [Some(false)]);
+        assert_eq!(met("kvroute-text-approx"), [Some(true), Some(false)]);
+        // Scenarios that did not run are "not run", not failures.
+        assert!(t
+            .iter()
+            .filter(|c| c.scenario == "trace")
+            .all(|c| c.met.is_none()));
+    }
 }

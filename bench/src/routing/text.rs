@@ -123,7 +123,10 @@ mod tests {
         let approx = policy("kvroute-text-approx").unwrap();
         assert!(approx.gateway);
         assert_eq!(approx.api, Api::ChatText);
-        assert_eq!(Value::Object(approx.filter_keys), json!({"text": {"exact": false}}));
+        assert_eq!(
+            Value::Object(approx.filter_keys),
+            json!({"text": {"exact": false}})
+        );
         let exact = policy("kvroute-text-chat").unwrap();
         assert!(exact.gateway && exact.filter_keys.is_empty());
         assert_eq!(policy("kvroute-ids").unwrap().api, Api::CompletionsIds);
@@ -147,7 +150,8 @@ mod tests {
     }
 
     fn qwen3() -> TextTokenizer {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/tokenizer/qwen3");
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/tokenizer/qwen3");
         TextTokenizer::from_dir(&dir).expect("the repository's Qwen3 tokenizer")
     }
 
@@ -176,7 +180,7 @@ mod tests {
             .zip(p.ids[1].iter())
             .take_while(|(a, b)| a == b)
             .count();
-        assert!(common >= 2 * 512 && common < 3 * 512, "{common}");
+        assert!((2 * 512..3 * 512).contains(&common), "{common}");
         assert_eq!(p.ids[0].len(), p.ids[1].len());
         // Made on one thread or two, the same prompts.
         let one = prepare(&records, &tok, 1).unwrap();
