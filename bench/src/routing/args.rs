@@ -126,6 +126,10 @@ pub struct BenchArgs {
     /// '{"route": {"max_hit_queue_tokens": 8192}}').
     #[arg(long, default_value = "{}")]
     pub filter_config: String,
+    /// The filter's `collector.query_timeout_ms`, wall milliseconds (default: envoy.yaml's
+    /// shipped 20). Text requests' exact path is this callout, tokenizing included.
+    #[arg(long)]
+    pub query_timeout_ms: Option<u32>,
     /// The gateway's and collector's own periods: `scaled` divides them by `--speed` (feed
     /// pull and load report 100 ms, speculative TTL 2 s, engine scrape 0.5 s, all in simulated
     /// time), so the compressed run sees them as an operator's real-time fleet does; `wall`

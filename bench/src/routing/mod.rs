@@ -412,6 +412,7 @@ async fn gateway_setup(a: &BenchArgs) -> anyhow::Result<GatewaySetup> {
         filter_config,
         work_dir: a.out.join("logs"),
         sync_interval_ms: a.gateway_ms(SYNC_INTERVAL_MS).round() as u32,
+        query_timeout_ms: a.query_timeout_ms,
     })
 }
 
