@@ -2,9 +2,11 @@
 # The routing benchmark (issue 10): kvroute as shipped — a real Envoy with the filter .wasm and
 # the collector, Envoy's fallback round-robin — beside the in-process policies and the PyPI
 # peers (vllm-router 0.1.17, sglang-router 0.3.2, installed into sim/.venv-peers, ignored by
-# git), on one simulated fleet, in three scenarios: the Mooncake trace through one gateway, two
-# gateway replicas (fleet-wide load on and off), and a hot-prefix burst. A peer that fails to
-# install, or an Envoy that does not start, is reported as skipped.
+# git), on one simulated fleet, in four scenarios: the Mooncake trace through one gateway, two
+# gateway replicas (fleet-wide load on and off), a hot-prefix burst, and `text` (issue 14: the
+# trace as chat messages and prompt strings on a second fleet whose engines and collector use
+# the real Qwen3 tokenizer of testdata/tokenizer/qwen3). A peer that fails to install, or an
+# Envoy that does not start, is reported as skipped.
 #
 # The filter is $KVROUTE_WASM, else <target dir>/wasm32-wasip1/release/kvroute_filter.wasm
 # (`make wasm`); Envoy is $ENVOY, else envoy-config/install-envoy.sh's. Extra arguments go to
@@ -13,6 +15,7 @@
 #
 #   bench/scripts/bench-routing.sh --speed 10 --limit 2000     # make bench-routing (~10 min)
 #   bench/scripts/bench-routing.sh --limit 300 --scenarios trace  # a quick look
+#   bench/scripts/bench-routing.sh --speed 10 --limit 2000 --scenarios text  # text routing only
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=sim/.venv-peers

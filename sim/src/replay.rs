@@ -8,6 +8,9 @@
 //! behind a proxy that drops them, from the body (`system_fingerprint` and the final usage
 //! chunk's `prompt_tokens_details.cached_tokens`; SGLang `meta_info`).
 //!
+//! Text variants ([`Api::ChatText`], [`Api::CompletionsPrompt`]) send the texts of a
+//! [`Prompts`] made before the replay, so no text is built or tokenized in the timed send.
+//!
 //! Requests go either to one URL (a router under test: vllm-router, sglang-router, Envoy) or
 //! through an in-process [`Route`] that picks an engine per request (the bench's policies).
 
@@ -32,6 +35,76 @@ pub enum Api {
     CompletionsIds,
     /// `POST /v1/completions` with `prompt` as `t<id>` text (sglang-router only routes text).
     CompletionsText,
+    /// `POST /v1/chat/completions` with one user message holding [`Prompts::texts`]' text.
+    ChatText,
+    /// `POST /v1/completions` with `prompt` as [`Prompts::texts`]' text.
+    CompletionsPrompt,
+}
+
+/// One request's prompt as sent: the API path, the body's `prompt` or `messages` value, and
+/// the token ids where the client knows them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BodyPrompt {
+    pub path: &'static str,
+    pub value: Value,
+    pub ids: Option<Arc<[u32]>>,
+}
+
+/// Prompts prepared before a replay, by trace index: the text of each request and, when a
+/// client-side tokenizer made them, its token ids. Shared by every policy of a scenario so
+/// each sees the same bytes.
+#[derive(Clone, Debug, Default)]
+pub struct Prompts {
+    /// The request's text (text APIs).
+    pub texts: Vec<Arc<str>>,
+    /// The request's token ids, sent by [`Api::CompletionsIds`] instead of the trace's own
+    /// (empty: the trace's ids).
+    pub ids: Vec<Arc<[u32]>>,
+}
+
+impl Prompts {
+    /// The body's `prompt` or `messages` for request `index` under `api`, and the prompt's
+    /// token ids where the client knows them (routers read them; the engine's usage report
+    /// gives the count otherwise).
+    ///
+    /// # Errors
+    /// A text API without a text for `index`.
+    pub fn body_prompt(
+        prompts: Option<&Prompts>,
+        api: Api,
+        rec: &TraceRecord,
+        index: usize,
+    ) -> Result<BodyPrompt, String> {
+        let ids = || -> Arc<[u32]> {
+            prompts
+                .and_then(|p| p.ids.get(index).cloned())
+                .unwrap_or_else(|| rec.prompt(index).into())
+        };
+        let text = || {
+            prompts
+                .and_then(|p| p.texts.get(index).cloned())
+                .ok_or_else(|| format!("no text prompt for request {index}"))
+        };
+        let known = prompts.and_then(|p| p.ids.get(index).cloned());
+        let (path, value, ids) = match api {
+            Api::CompletionsIds => {
+                let t = ids();
+                ("/v1/completions", json!(&*t), Some(t))
+            }
+            Api::CompletionsText => {
+                let t = ids();
+                ("/v1/completions", json!(tokenizer::decode(&t)), Some(t))
+            }
+            Api::ChatText => (
+                "/v1/chat/completions",
+                json!([{"role": "user", "content": &*text()?}]),
+                known,
+            ),
+            // The chat ids (if any) are not this prompt's: leave the count to the engine.
+            Api::CompletionsPrompt => ("/v1/completions", json!(&*text()?), None),
+        };
+        Ok(BodyPrompt { path, value, ids })
+    }
 }
 
 /// What a [`Route`] is asked.
@@ -102,6 +175,8 @@ pub struct ReplayConfig {
     /// Arrival-rate multiplier: trace gaps are divided by it (in simulated time), so 2.0 sends
     /// the trace at twice its load. Default 1.0.
     pub arrival_scale: f64,
+    /// Prepared prompts (text APIs need them; token ids override the trace's when present).
+    pub prompts: Option<Arc<Prompts>>,
 }
 
 impl Default for ReplayConfig {
@@ -114,6 +189,7 @@ impl Default for ReplayConfig {
             timeout: Duration::from_secs(600),
             max_output_tokens: None,
             arrival_scale: 1.0,
+            prompts: None,
         }
     }
 }
@@ -317,7 +393,6 @@ async fn one(
     target: &Target,
     cfg: &ReplayConfig,
 ) -> RequestResult {
-    let tokens = rec.prompt(index);
     let output_tokens = cfg
         .max_output_tokens
         .map_or(rec.output_length, |m| rec.output_length.min(m))
@@ -330,12 +405,25 @@ async fn one(
         latency_s: None,
         engine: None,
         dp_rank: None,
-        prompt_tokens: tokens.len(),
+        prompt_tokens: 0,
         output_tokens,
         cached_tokens: None,
         status: 0,
         error: None,
     };
+    let BodyPrompt {
+        path,
+        value: prompt,
+        ids: tokens,
+    } = match Prompts::body_prompt(cfg.prompts.as_deref(), cfg.api, rec, index) {
+        Ok(p) => p,
+        Err(e) => {
+            result.error = Some(e);
+            return result;
+        }
+    };
+    let tokens: Arc<[u32]> = tokens.unwrap_or_else(|| Arc::from(Vec::new()));
+    result.prompt_tokens = tokens.len();
     let sent = Instant::now();
     let (base, decision) = match target {
         Target::Url(u) => (u.clone(), None),
@@ -349,15 +437,16 @@ async fn one(
             (d.url.clone(), Some(d))
         }
     };
-    let prompt = match cfg.api {
-        Api::CompletionsIds => json!(tokens),
-        Api::CompletionsText => json!(tokenizer::decode(&tokens)),
-    };
     drop(tokens);
-    let body = json!({"model": cfg.model, "prompt": prompt, "max_tokens": output_tokens, "stream": true,
+    let field = if cfg.api == Api::ChatText {
+        "messages"
+    } else {
+        "prompt"
+    };
+    let body = json!({"model": cfg.model, field: prompt, "max_tokens": output_tokens, "stream": true,
                       "ignore_eos": true, "temperature": 0.0});
     let mut req = client
-        .post(format!("{}/v1/completions", base.trim_end_matches('/')))
+        .post(format!("{}{path}", base.trim_end_matches('/')))
         .json(&body);
     if let Some(r) = decision.as_ref().and_then(|d| d.dp_rank) {
         req = req.header(HEADER_REQUEST_DP_RANK, r.to_string());
@@ -453,7 +542,15 @@ fn parse_tail(tail: &[u8], result: &mut RequestResult) {
                 .and_then(Value::as_u64)
                 .map(|c| c as usize);
         }
-        if result.engine.is_some() && result.cached_tokens.is_some() {
+        // Text prompts: the client may not know the count; the engine's usage does.
+        if result.prompt_tokens == 0 {
+            result.prompt_tokens = v
+                .pointer("/usage/prompt_tokens")
+                .or_else(|| v.pointer("/meta_info/prompt_tokens"))
+                .and_then(Value::as_u64)
+                .map_or(0, |c| c as usize);
+        }
+        if result.engine.is_some() && result.cached_tokens.is_some() && result.prompt_tokens > 0 {
             break;
         }
     }
@@ -492,6 +589,70 @@ mod tests {
         parse_tail(tail, &mut r);
         assert_eq!(r.engine.as_deref(), Some("e1"));
         assert_eq!(r.cached_tokens, Some(32));
+    }
+
+    fn record() -> TraceRecord {
+        TraceRecord {
+            timestamp: 0,
+            input_length: 600,
+            output_length: 2,
+            hash_ids: vec![1, 2],
+        }
+    }
+
+    #[test]
+    fn bodies_follow_the_api() {
+        let rec = record();
+        let prompts = Prompts {
+            texts: vec![Arc::from(" the cat")],
+            ids: vec![Arc::from(vec![7u32, 8, 9])],
+        };
+        let p = Some(&prompts);
+        let b = Prompts::body_prompt(p, Api::ChatText, &rec, 0).unwrap();
+        assert_eq!(b.path, "/v1/chat/completions");
+        assert_eq!(b.value, json!([{"role": "user", "content": " the cat"}]));
+        assert_eq!(b.ids.as_deref(), Some(&[7u32, 8, 9][..]));
+        let b = Prompts::body_prompt(p, Api::CompletionsPrompt, &rec, 0).unwrap();
+        assert_eq!(
+            b,
+            BodyPrompt {
+                path: "/v1/completions",
+                value: json!(" the cat"),
+                ids: None
+            }
+        );
+        // Prepared ids replace the trace's; without them the trace's toy ids are sent.
+        let b = Prompts::body_prompt(p, Api::CompletionsIds, &rec, 0).unwrap();
+        assert_eq!(b.value, json!([7, 8, 9]));
+        let b = Prompts::body_prompt(None, Api::CompletionsIds, &rec, 0).unwrap();
+        assert_eq!(b.value, json!(rec.prompt(0)));
+        assert_eq!(b.ids.map(|i| i.len()), Some(600));
+        // A text API without a text is an error result, not a panic.
+        assert!(Prompts::body_prompt(p, Api::ChatText, &rec, 1).is_err());
+        assert!(Prompts::body_prompt(None, Api::CompletionsPrompt, &rec, 0).is_err());
+    }
+
+    #[test]
+    fn tail_gives_prompt_tokens_when_the_client_has_none() {
+        let mut r = RequestResult {
+            index: 0,
+            sent_at_s: 0.0,
+            ttft_s: None,
+            model_ttft_s: None,
+            latency_s: None,
+            engine: Some("e0".into()),
+            dp_rank: None,
+            prompt_tokens: 0,
+            output_tokens: 0,
+            cached_tokens: Some(5),
+            status: 200,
+            error: None,
+        };
+        parse_tail(
+            b"data: {\"usage\":{\"prompt_tokens\":1030}}\n\ndata: [DONE]\n\n",
+            &mut r,
+        );
+        assert_eq!(r.prompt_tokens, 1030);
     }
 
     #[test]

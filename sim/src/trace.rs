@@ -26,6 +26,14 @@ impl TraceRecord {
     pub fn prompt(&self, index: usize) -> Vec<u32> {
         tokenizer::trace_prompt(&self.hash_ids, self.input_length, index as u64)
     }
+
+    /// The prompt as text for a real tokenizer: [`kvroute_text::synth::trace_text`] of the
+    /// `hash_ids`, 512 Qwen3 tokens a block, so requests sharing leading `hash_ids` share
+    /// exactly that text (and those tokens). Whole blocks: `input_length` is not applied, a
+    /// cut would end mid-block where no request shares anything anyway.
+    pub fn text(&self) -> String {
+        kvroute_text::synth::trace_text(&self.hash_ids)
+    }
 }
 
 /// A trace failed to load.
@@ -85,5 +93,24 @@ mod tests {
         assert_eq!(t.len(), 1);
         assert_eq!(t[0].prompt(0).len(), 600);
         assert!(parse("{\"timestamp\": 5}").is_err());
+    }
+
+    #[test]
+    fn texts_share_exactly_the_shared_blocks() {
+        let rec = |ids: &[u64]| TraceRecord {
+            timestamp: 0,
+            input_length: 512 * ids.len(),
+            output_length: 1,
+            hash_ids: ids.to_vec(),
+        };
+        let (a, b) = (rec(&[1, 2, 3]).text(), rec(&[1, 2, 4]).text());
+        let common = a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count();
+        let two_blocks = rec(&[1, 2]).text().len();
+        // Block 3 and block 4 may start with the same word; never with the same block.
+        assert!(
+            common >= two_blocks && common < a.len(),
+            "{common} vs {two_blocks}"
+        );
+        assert_eq!(rec(&[1, 2, 3]).text(), a);
     }
 }

@@ -31,6 +31,9 @@ pub struct GatewaySetup {
     pub work_dir: PathBuf,
     /// The filter's feed pull (and load report) period, wall milliseconds.
     pub sync_interval_ms: u32,
+    /// The filter's `collector.query_timeout_ms` (None: envoy.yaml's default). A template
+    /// value, since `collector` is an object the template already writes.
+    pub query_timeout_ms: Option<u32>,
 }
 
 /// Why a gateway did not start.
@@ -169,6 +172,10 @@ impl Gateway {
                 setup.sync_interval_ms.to_string(),
             ),
         ];
+        let mut values = values;
+        if let Some(t) = setup.query_timeout_ms {
+            values.push(("QUERY_TIMEOUT_MS".into(), t.to_string()));
+        }
         let config = setup.work_dir.join(format!("envoy-{name}.yaml"));
         render(&setup.config_dir, &config, &values).await?;
         let log_path = setup.work_dir.join(format!("envoy-{name}.log"));
@@ -350,6 +357,7 @@ mod tests {
             concurrency: 1,
             filter_config: Map::new(),
             work_dir: std::env::temp_dir(),
+            query_timeout_ms: None,
             sync_interval_ms: 100,
         };
         let e = Gateway::start(&setup, "t", &[], "127.0.0.1:1", &Map::new(), "m")

@@ -20,332 +20,39 @@
 //!   the engines' events) and `sglang-router` (`cache_aware`, `t<id>` text prompts), run as
 //!   child processes from `--venv`.
 //! - Scenarios: `trace` (a: one gateway, the Mooncake trace), `replicas` (b: two Envoys
-//!   sharing the collector, requests alternating, with fleet-wide load on and off) and `burst`
-//!   (c: a hot shared prefix, see [`burst`]). Each writes `<out>/<scenario>/`; `<out>/results.md`
+//!   sharing the collector, requests alternating, with fleet-wide load on and off), `burst`
+//!   (c: a hot shared prefix, see [`burst`]) and `text` (the trace as chat and prompt text on
+//!   a second fleet with a real tokenizer, see [`text`]). Each writes `<out>/<scenario>/`; `<out>/results.md`
 //!   holds every table and the targets.
 //! - Times are simulated seconds (measured wall time × `--speed`).
 
+pub mod args;
 pub mod burst;
+pub mod fleet;
 pub mod gateway;
 pub mod peers;
 pub mod policy;
 pub mod report;
+pub mod text;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
-use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
+pub use args::{BenchArgs, Clock, MODEL, POLICIES, SCENARIOS};
+use args::{SPECULATIVE_TTL_MS, SYNC_INTERVAL_MS};
+use fleet::{drain, drain_and_reset, engine_load};
+pub use fleet::{start_collector, start_fleet, start_fleet_with, Fleet};
 use gateway::{Gateway, GatewaySetup};
-use kvroute_sim::cache::CacheConfig;
-use kvroute_sim::engine::{Engine, EngineConfig};
-use kvroute_sim::replay::{self, Api, ReplayConfig, Target};
+use kvroute_sim::replay::{self, Api, Prompts, ReplayConfig, Target};
 use kvroute_sim::trace;
-use kvroute_sim::wire::EventFormat;
 use peers::{Peer, PeerEngine};
 use policy::{Alternate, Choice, KvAware, LeastRequest, MatchSource, RoundRobin, Slot};
-use report::{EngineLoad, PolicyResult};
-
-/// All policies.
-pub const POLICIES: [&str; 10] = [
-    "round-robin",
-    "least-request",
-    "kvroute-inproc",
-    "oracle",
-    "kvroute",
-    "vllm-router",
-    "sglang-router",
-    "kvroute-2gw",
-    "kvroute-2gw-nofleet",
-    "longest-prefix",
-];
-
-/// The scenarios and their policies, in run order.
-pub const SCENARIOS: [(&str, &[&str]); 3] = [
-    (
-        "trace",
-        &[
-            "round-robin",
-            "least-request",
-            "kvroute-inproc",
-            "oracle",
-            "kvroute",
-            "vllm-router",
-            "sglang-router",
-        ],
-    ),
-    ("replicas", &["kvroute-2gw", "kvroute-2gw-nofleet"]),
-    (
-        "burst",
-        &[
-            "round-robin",
-            "kvroute",
-            "longest-prefix",
-            "vllm-router",
-            "sglang-router",
-        ],
-    ),
-];
-
-/// How the gateway's and collector's own periods relate to the simulation's clock.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Clock {
-    /// Shipped periods in simulated time (wall periods divided by `--speed`).
-    Scaled,
-    /// Shipped periods in wall time.
-    Wall,
-}
-
-/// Shipped defaults of the periods `--gateway-clock` scales, milliseconds: the filter's feed
-/// pull, its speculative entries' lifetime, the collector's engine scrape.
-const SYNC_INTERVAL_MS: f64 = 100.0;
-const SPECULATIVE_TTL_MS: f64 = 2_000.0;
-const SCRAPE_INTERVAL_MS: f64 = 500.0;
-
-impl BenchArgs {
-    /// `ms` of shipped wall time as the gateway should run it in this benchmark.
-    fn gateway_ms(&self, ms: f64) -> f64 {
-        match self.gateway_clock {
-            Clock::Scaled => (ms / self.speed.max(1e-9)).max(1.0),
-            Clock::Wall => ms,
-        }
-    }
-}
-
-/// Flags of `kvroute-bench routing`.
-#[derive(clap::Args, Debug, Clone)]
-pub struct BenchArgs {
-    /// Mooncake-format trace.
-    #[arg(long, default_value = "testdata/traces/mooncake_synthetic_trace.jsonl")]
-    pub trace: PathBuf,
-    /// Replay only the first N requests.
-    #[arg(long)]
-    pub limit: Option<usize>,
-    /// Simulated engines.
-    #[arg(long, default_value_t = 4)]
-    pub engines: usize,
-    /// Time compression of engines and replay (simulated time / wall time).
-    #[arg(long, default_value_t = 10.0)]
-    pub speed: f64,
-    /// Arrival-rate multiplier over the trace's own rate.
-    #[arg(long, default_value_t = 1.0)]
-    pub rate_scale: f64,
-    /// Comma-separated policies to run (default: all), in every scenario that has them.
-    #[arg(long, value_delimiter = ',', default_values_t = POLICIES.map(String::from))]
-    pub policies: Vec<String>,
-    /// Comma-separated scenarios: trace, replicas, burst (default: all).
-    #[arg(long, value_delimiter = ',', default_values_t = SCENARIOS.map(|s| s.0.to_string()))]
-    pub scenarios: Vec<String>,
-    /// Output directory (results.json, results.md, PNG plots, per-request JSONL).
-    #[arg(long, default_value = "bench-out")]
-    pub out: PathBuf,
-    /// Envoy binary (default: $ENVOY, else what envoy-config/install-envoy.sh installs).
-    #[arg(long)]
-    pub envoy: Option<PathBuf>,
-    /// The filter (default: $KVROUTE_WASM, else the target dir's wasm32-wasip1 release build).
-    #[arg(long)]
-    pub wasm: Option<PathBuf>,
-    /// envoy.yaml, render.py and install-envoy.sh.
-    #[arg(long, default_value = "envoy-config")]
-    pub envoy_config: PathBuf,
-    /// Envoy worker threads per gateway.
-    #[arg(long, default_value_t = 2)]
-    pub envoy_concurrency: usize,
-    /// Extra filter configuration, a JSON object merged into envoy.yaml's (e.g.
-    /// '{"route": {"max_hit_queue_tokens": 8192}}').
-    #[arg(long, default_value = "{}")]
-    pub filter_config: String,
-    /// The gateway's and collector's own periods: `scaled` divides them by `--speed` (feed
-    /// pull and load report 100 ms, speculative TTL 2 s, engine scrape 0.5 s, all in simulated
-    /// time), so the compressed run sees them as an operator's real-time fleet does; `wall`
-    /// keeps the shipped values in wall time (at `--speed 10` a 100 ms feed pull is then a
-    /// 1 s lag in the simulation, which no real deployment has).
-    #[arg(long, value_enum, default_value_t = Clock::Scaled)]
-    pub gateway_clock: Clock,
-    /// Requests of the burst sharing the system prompt.
-    #[arg(long, default_value_t = 64)]
-    pub burst_requests: usize,
-    /// Shared system prompt of the burst, tokens.
-    #[arg(long, default_value_t = 8192)]
-    pub burst_shared_tokens: usize,
-    /// Distinct tail of each burst request, tokens.
-    #[arg(long, default_value_t = 2048)]
-    pub burst_tail_tokens: usize,
-    /// Cold requests after the burst.
-    #[arg(long, default_value_t = 64)]
-    pub burst_cold: usize,
-    /// Python venv with vllm-router and sglang-router.
-    #[arg(long, default_value = "sim/.venv-peers")]
-    pub venv: PathBuf,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
-    pub block_size: usize,
-    /// KV blocks per engine.
-    #[arg(long, default_value_t = 25_000)]
-    pub capacity_blocks: usize,
-    /// Prefill throughput per engine, tokens/s (simulated).
-    #[arg(long, default_value_t = 20_000.0)]
-    pub prefill_tokens_per_s: f64,
-    /// Time per output token, ms (simulated).
-    #[arg(long, default_value_t = 8.0)]
-    pub decode_ms_per_token: f64,
-    /// Output tokens per SSE chunk.
-    #[arg(long, default_value_t = 16)]
-    pub stream_interval: usize,
-    /// Seed of the routers' tie-breaks.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
-    /// Window of the hit-rate-over-time plot, trace seconds.
-    #[arg(long, default_value_t = 30.0)]
-    pub window_s: f64,
-}
-
-const MODEL: &str = "sim-model";
-
-/// The simulated engines of a bench, serving on loopback.
-#[derive(Debug)]
-pub struct Fleet {
-    pub engines: Vec<Engine>,
-    /// Base URLs, `http://127.0.0.1:port`.
-    pub urls: Vec<String>,
-    /// Instance ids.
-    pub names: Vec<String>,
-}
-
-impl Fleet {
-    /// The engines as the in-process routers see them.
-    pub fn slots(&self) -> Vec<Slot> {
-        self.urls
-            .iter()
-            .zip(&self.names)
-            .map(|(u, n)| Slot {
-                url: u.clone(),
-                instance_id: n.clone(),
-            })
-            .collect()
-    }
-}
-
-/// Starts `a.engines` engines in this process, each with HTTP, PUB and replay sockets on
-/// loopback.
-///
-/// # Errors
-/// A socket that cannot bind.
-pub async fn start_fleet(a: &BenchArgs) -> anyhow::Result<Fleet> {
-    let mut engines = Vec::new();
-    let mut urls = Vec::new();
-    let mut names = Vec::new();
-    for i in 0..a.engines {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let name = format!("engine-{i}");
-        let e = Engine::start(EngineConfig {
-            name: name.clone(),
-            model: MODEL.into(),
-            cache: CacheConfig {
-                block_size_tokens: a.block_size,
-                capacity_blocks: a.capacity_blocks,
-            },
-            prefill_tokens_per_s: a.prefill_tokens_per_s,
-            decode_per_token: Duration::from_secs_f64(a.decode_ms_per_token / 1000.0),
-            speed: a.speed,
-            event_format: EventFormat::Vllm033,
-            events_endpoint: Some("tcp://127.0.0.1:0".into()),
-            replay_endpoint: Some("tcp://127.0.0.1:0".into()),
-            stream_interval_tokens: a.stream_interval,
-            ..EngineConfig::default()
-        })
-        .await?;
-        let app = e.app();
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        urls.push(format!("http://{addr}"));
-        names.push(name);
-        engines.push(e);
-    }
-    Ok(Fleet {
-        engines,
-        urls,
-        names,
-    })
-}
-
-/// Starts the real collector in-process (its library, configured from the same command line
-/// as its binary), registered with every engine; returns its URL.
-///
-/// # Errors
-/// A collector that refuses the configuration.
-pub async fn start_collector(a: &BenchArgs, fleet: &Fleet) -> anyhow::Result<String> {
-    let mut args = vec![
-        "kvroute-collector".to_string(),
-        "--listen".into(),
-        "127.0.0.1:0".into(),
-        "--scrape-interval-secs".into(),
-        format!("{}", a.gateway_ms(SCRAPE_INTERVAL_MS) / 1000.0),
-    ];
-    for (i, e) in fleet.engines.iter().enumerate() {
-        let (ep, replay) = e.event_endpoints()[0].clone();
-        let addr = fleet.urls[i].trim_start_matches("http://");
-        let mut spec = format!(
-            "instance_id={},endpoint={ep},model={MODEL},block_size={},address={addr}",
-            fleet.names[i], a.block_size
-        );
-        if let Some(r) = replay {
-            spec.push_str(&format!(",replay={r}"));
-        }
-        args.push("--worker".into());
-        args.push(spec);
-    }
-    let cli = <kvroute_collector::config::Cli as Parser>::try_parse_from(&args)
-        .context("collector command line")?;
-    let config = cli.into_config().context("collector config")?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let shared = kvroute_collector::start(config).context("collector start")?;
-    tokio::spawn(async move {
-        if let Err(e) = kvroute_collector::serve(listener, shared, std::future::pending()).await {
-            tracing::error!(error = %e, "collector stopped");
-        }
-    });
-    Ok(url)
-}
-
-async fn drain(fleet: &Fleet) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let busy = fleet.engines.iter().any(|e| {
-            let s = e.stats(0);
-            s.running + s.waiting > 0
-        });
-        if !busy || Instant::now() > deadline {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn drain_and_reset(fleet: &Fleet) {
-    drain(fleet).await;
-    for e in &fleet.engines {
-        if !e.reset_prefix_cache() {
-            tracing::warn!(engine = ?e, "prefix cache not reset: engine busy");
-        }
-    }
-}
-
-fn engine_load(fleet: &Fleet) -> EngineLoad {
-    let mut l = EngineLoad::default();
-    for e in &fleet.engines {
-        let s = e.stats(0);
-        l.requests.push(s.requests_finished);
-        l.prompt_tokens.push(s.prompt_tokens);
-        l.cached_tokens.push(s.prefix_hits_tokens);
-    }
-    l
-}
+use report::PolicyResult;
 
 /// What every policy run shares.
 struct Ctx {
@@ -358,6 +65,8 @@ struct Ctx {
     /// How to start Envoy, or why it cannot be.
     gateway: Result<GatewaySetup, String>,
     style: ProgressStyle,
+    /// The text scenario's prepared prompts (its policies then run as [`text::policy`] says).
+    prompts: Option<Arc<Prompts>>,
 }
 
 /// A routing target and what to release after the run.
@@ -373,9 +82,74 @@ enum Prepared {
     Skipped(String),
 }
 
+/// The text scenario's context: a fleet with the real tokenizer, a collector holding it, and
+/// every request's text and chat ids made before the first policy runs.
+async fn text_ctx_start(
+    a: &BenchArgs,
+    records: &[trace::TraceRecord],
+    gateway: Result<GatewaySetup, String>,
+) -> anyhow::Result<Ctx> {
+    let dir = a.text_tokenizer.clone();
+    let fleet = start_fleet_with(a, text::TEXT_MODEL, Some(&dir)).await?;
+    let started = Instant::now();
+    let recs = records.to_vec();
+    let prompts = tokio::task::spawn_blocking(move || {
+        let tok = kvroute_sim::tokenizer::TextTokenizer::from_dir(&dir)
+            .with_context(|| format!("tokenizer {}", dir.display()))?;
+        anyhow::Ok(text::prepare(&recs, &tok, 2)?)
+    })
+    .await??;
+    let tokens: usize = prompts.ids.iter().map(|i| i.len()).sum();
+    eprintln!(
+        "bench: text: {} prompts, {tokens} chat tokens, made and tokenized in {:.1} s",
+        prompts.ids.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ctx::new(a, fleet, gateway, Some(Arc::new(prompts))).await
+}
+
 impl Ctx {
+    /// Starts the collector in front of `fleet` and gathers what the policies need.
+    async fn new(
+        a: &BenchArgs,
+        fleet: Fleet,
+        gateway: Result<GatewaySetup, String>,
+        prompts: Option<Arc<Prompts>>,
+    ) -> anyhow::Result<Ctx> {
+        let collector = start_collector(a, &fleet).await?;
+        let peer_engines = fleet
+            .engines
+            .iter()
+            .zip(&fleet.urls)
+            .map(|(e, u)| PeerEngine {
+                url: u.clone(),
+                events_endpoint: e.event_endpoints()[0].0.clone(),
+            })
+            .collect();
+        Ok(Ctx {
+            slots: fleet.slots(),
+            collector: collector.trim_start_matches("http://").to_string(),
+            fleet,
+            peer_engines,
+            gateway,
+            style: ProgressStyle::with_template(
+                "{prefix:>20} [{bar:40.cyan/blue}] {pos}/{len} {elapsed_precise} {msg}",
+            )
+            .expect("template")
+            .progress_chars("=> "),
+            a: a.clone(),
+            prompts,
+        })
+    }
+
     async fn prepare(&self, name: &str) -> anyhow::Result<Prepared> {
         let a = &self.a;
+        let model = self.fleet.model.as_str();
+        let text = if self.prompts.is_some() {
+            Some(text::policy(name).with_context(|| format!("no text policy {name:?}"))?)
+        } else {
+            None
+        };
         let kv_aware = |source, choice| {
             Arc::new(
                 KvAware::new(self.slots.clone(), source, a.block_size as u32, a.seed)
@@ -385,11 +159,11 @@ impl Ctx {
         let collector_source = || MatchSource::Collector {
             client: reqwest::Client::new(),
             url: format!("http://{}", self.collector),
-            model: MODEL.into(),
+            model: model.into(),
         };
         let routed = |t: Arc<dyn kvroute_sim::replay::Route>, kv| Prepared::Run {
             target: Target::Routed(t),
-            api: Api::CompletionsIds,
+            api: text.as_ref().map_or(Api::CompletionsIds, |t| t.api),
             kv,
             peer: None,
             gateways: Vec::new(),
@@ -418,13 +192,25 @@ impl Ctx {
                 );
                 routed(k.clone(), Some(k))
             }
-            "kvroute" | "kvroute-2gw" | "kvroute-2gw-nofleet" => {
+            "kvroute"
+            | "kvroute-2gw"
+            | "kvroute-2gw-nofleet"
+            | "kvroute-ids"
+            | "kvroute-text-chat"
+            | "kvroute-text-prompt"
+            | "kvroute-text-approx" => {
                 let setup = match &self.gateway {
                     Ok(s) => s,
                     Err(why) => return Ok(Prepared::Skipped(why.clone())),
                 };
-                let n = if name == "kvroute" { 1 } else { 2 };
-                let mut keys = serde_json::Map::new();
+                let n = if name.starts_with("kvroute-2gw") {
+                    2
+                } else {
+                    1
+                };
+                let mut keys = text
+                    .as_ref()
+                    .map_or_else(serde_json::Map::new, |t| t.filter_keys.clone());
                 if name.ends_with("nofleet") {
                     keys.insert("load".into(), json!({"fleet": false}));
                 }
@@ -442,7 +228,7 @@ impl Ctx {
                         &addrs,
                         &self.collector,
                         &keys,
-                        MODEL,
+                        model,
                     )
                     .await
                     {
@@ -462,7 +248,7 @@ impl Ctx {
                     } else {
                         Target::Routed(Arc::new(Alternate::new(urls)))
                     },
-                    api: Api::CompletionsIds,
+                    api: text.as_ref().map_or(Api::CompletionsIds, |t| t.api),
                     kv: None,
                     peer: None,
                     gateways,
@@ -479,14 +265,16 @@ impl Ctx {
                     &a.venv,
                     &self.peer_engines,
                     a.block_size,
-                    MODEL,
+                    model,
                     &a.out.join("logs"),
                 )
                 .await
                 {
                     Ok(r) => Prepared::Run {
                         target: Target::Url(r.url.clone()),
-                        api: if peer == Peer::SglangRouter {
+                        api: if let Some(t) = &text {
+                            t.api
+                        } else if peer == Peer::SglangRouter {
                             Api::CompletionsText
                         } else {
                             Api::CompletionsIds
@@ -527,8 +315,9 @@ impl Ctx {
         let cfg = ReplayConfig {
             speed,
             api,
-            model: MODEL.into(),
+            model: self.fleet.model.clone(),
             arrival_scale: self.a.rate_scale,
+            prompts: self.prompts.clone(),
             ..ReplayConfig::default()
         };
         let bar = ProgressBar::new(records.len() as u64)
@@ -623,6 +412,7 @@ async fn gateway_setup(a: &BenchArgs) -> anyhow::Result<GatewaySetup> {
         filter_config,
         work_dir: a.out.join("logs"),
         sync_interval_ms: a.gateway_ms(SYNC_INTERVAL_MS).round() as u32,
+        query_timeout_ms: a.query_timeout_ms,
     })
 }
 
@@ -639,12 +429,10 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
     for s in &a.scenarios {
         anyhow::ensure!(
             SCENARIOS.iter().any(|(n, _)| n == s),
-            "unknown scenario {s:?} (known: trace, replicas, burst)"
+            "unknown scenario {s:?} (known: trace, replicas, burst, text)"
         );
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("create {}", a.out.display()))?;
-    let fleet = start_fleet(&a).await?;
-    let collector = start_collector(&a, &fleet).await?;
     let gateway = gateway_setup(&a).await.map_err(|e| format!("{e:#}"));
     if let Ok(g) = &gateway {
         eprintln!(
@@ -653,15 +441,6 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
             g.wasm.display()
         );
     }
-    let peer_engines = fleet
-        .engines
-        .iter()
-        .zip(&fleet.urls)
-        .map(|(e, u)| PeerEngine {
-            url: u.clone(),
-            events_endpoint: e.event_endpoints()[0].0.clone(),
-        })
-        .collect();
     let trace_span_s = records.last().map_or(0.0, |r| r.timestamp as f64 / 1000.0) / a.rate_scale;
     eprintln!(
         "bench: trace: {} requests over {:.0} s of trace time at {}x → ~{:.0} s per policy; {} engines; scenarios: {}",
@@ -672,18 +451,11 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
         a.engines,
         a.scenarios.join(", ")
     );
-    let ctx = Ctx {
-        slots: fleet.slots(),
-        collector: collector.trim_start_matches("http://").to_string(),
-        fleet,
-        peer_engines,
-        gateway,
-        style: ProgressStyle::with_template(
-            "{prefix:>20} [{bar:40.cyan/blue}] {pos}/{len} {elapsed_precise} {msg}",
-        )
-        .expect("template")
-        .progress_chars("=> "),
-        a: a.clone(),
+    // The token-id scenarios' fleet (toy tokenizer); the text scenario gets its own below.
+    let ids_ctx = if a.scenarios.iter().any(|s| s != "text") {
+        Some(Ctx::new(&a, start_fleet(&a).await?, gateway.clone(), None).await?)
+    } else {
+        None
     };
     let burst_records = burst::trace(&burst::BurstShape {
         requests: a.burst_requests,
@@ -694,10 +466,18 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
         output_tokens: 64,
     });
     let mut all: Vec<(String, Vec<PolicyResult>)> = Vec::new();
+    let mut text_ctx: Option<Ctx> = None;
     for (scenario, policies) in SCENARIOS {
         if !a.scenarios.iter().any(|s| s == scenario) {
             continue;
         }
+        let ctx = if scenario == "text" {
+            // Started only now, so the token-id scenarios ran with nothing else in process.
+            Some(&*text_ctx.insert(text_ctx_start(&a, &records, gateway.clone()).await?))
+        } else {
+            ids_ctx.as_ref()
+        }
+        .context("scenario context")?;
         // The engines run at `--speed`: every scenario replays at it.
         let (recs, speed) = if scenario == "burst" {
             (&burst_records, a.speed)
