@@ -10,15 +10,18 @@ use crate::{qwen3, qwen3_dir};
 #[test]
 fn ten_megabytes_of_text_are_refused_before_tokenizing() {
     let text = "a".repeat(10 << 20);
+    // Loaded outside the timed part: the first test to ask loads the 11 MB tokenizer.
+    let tokenizer = qwen3();
     let start = Instant::now();
-    let err = qwen3().encode(&text).unwrap_err();
+    let err = tokenizer.encode(&text).unwrap_err();
     assert!(
         matches!(err, TextError::TooLarge { bytes, .. } if bytes == 10 << 20),
         "{err}"
     );
     assert!(err.is_too_large());
-    // Refused by the size check, not after a tokenizer pass over 10 MB.
-    assert!(start.elapsed().as_millis() < 100, "{:?}", start.elapsed());
+    // Refused by the size check, not after a tokenizer pass over 10 MB (which takes many
+    // seconds); the bound leaves room for a loaded machine.
+    assert!(start.elapsed().as_millis() < 1000, "{:?}", start.elapsed());
 
     let messages = json!([{"role": "user", "content": text}]);
     let err = parse_messages(&messages, &Limits::default()).unwrap_err();
