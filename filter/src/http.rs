@@ -466,31 +466,17 @@ impl Http {
             Ok(mut rng) => route::decide(&contenders, query, &cfg.policy, &mut *rng),
             Err(_) => None,
         };
-        let chosen = decision.and_then(|d| cache.roster.instances.get(d.best).map(|b| (d, b)));
-        let Some((d, best)) = chosen else {
+        let Some((d, to)) = decision.and_then(|d| Target::of(&cache.roster, &d).map(|t| (d, t)))
+        else {
             let reads = view.reads();
             *seqs = view.into_seqs();
             self.reads = reads + 2;
             host::record_metric(vm.metrics.lookup_reads, reads as u64);
-            let deferred = contenders.iter().any(|c| c.eligible);
-            self.finish(
-                vm,
-                if deferred {
-                    Outcome::Deferred
-                } else {
-                    Outcome::NoMatch
-                },
-            );
+            self.finish(vm, undecided(&contenders));
             return Action::Continue;
         };
-        let runner = d
-            .runner_up
-            .and_then(|r| cache.roster.instances.get(r))
-            .map(|i| i.address.clone());
-        let dp_rank = best.is_multi_rank().then_some(d.dp_rank);
-        let slot = best.slot_of_rank(d.dp_rank).unwrap_or(0);
-        let address = best.address.clone();
         drop(cache);
+        let slot = to.slot;
         if spec {
             books::remember(vm, cfg, &view, spec_read, query_blocks as u32, slot, now);
         }
@@ -501,9 +487,9 @@ impl Http {
         self.route(
             vm,
             cfg,
-            &address,
-            runner.as_deref(),
-            dp_rank,
+            &to.address,
+            to.runner.as_deref(),
+            to.dp_rank,
             LoadId::slot(slot),
             d.matched_blocks,
             block_size,
@@ -773,5 +759,42 @@ impl Http {
         };
         scratch.found = found;
         action
+    }
+}
+
+/// Where a decision sends a request, read off the roster while its borrow is held.
+struct Target {
+    /// The chosen instance's address (the destination header's first entry).
+    address: String,
+    /// The runner-up's address, Envoy's fallback.
+    runner: Option<String>,
+    /// The rank header's value, for an instance with several dp ranks.
+    dp_rank: Option<u32>,
+    /// The worker slot the load is booked on.
+    slot: u32,
+}
+
+impl Target {
+    fn of(roster: &route::Roster, d: &route::Decision) -> Option<Target> {
+        let best = roster.instances.get(d.best)?;
+        Some(Target {
+            address: best.address.clone(),
+            runner: d
+                .runner_up
+                .and_then(|r| roster.instances.get(r))
+                .map(|i| i.address.clone()),
+            dp_rank: best.is_multi_rank().then_some(d.dp_rank),
+            slot: best.slot_of_rank(d.dp_rank).unwrap_or(0),
+        })
+    }
+}
+
+/// The outcome of a request no instance was chosen for: deferred to Envoy's own balancing
+/// when some instance could have taken it, else no match.
+fn undecided(contenders: &[route::Contender]) -> Outcome {
+    if contenders.iter().any(|c| c.eligible) {
+        Outcome::Deferred
+    } else {
+        Outcome::NoMatch
     }
 }

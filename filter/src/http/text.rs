@@ -29,7 +29,7 @@ use kvroute::scope::ScopeId;
 use proxy_wasm::types::Action;
 
 use super::remote::query_answer;
-use super::{Http, Phase, Text, TextPath, TextScope};
+use super::{undecided, Http, Phase, Target, Text, TextPath, TextScope};
 use crate::books::Picture;
 use crate::config::{millis, Config, Mode};
 use crate::host::{self, HostStore};
@@ -351,37 +351,22 @@ impl Http {
             Ok(mut rng) => route::decide(&contenders, query, &cfg.policy, &mut *rng),
             Err(_) => None,
         };
-        let Some((d, best)) =
-            decision.and_then(|d| cache.roster.instances.get(d.best).map(|b| (d, b)))
+        let Some((d, to)) = decision.and_then(|d| Target::of(&cache.roster, &d).map(|t| (d, t)))
         else {
-            let deferred = contenders.iter().any(|c| c.eligible);
-            self.finish(
-                vm,
-                if deferred {
-                    Outcome::Deferred
-                } else {
-                    Outcome::NoMatch
-                },
-            );
+            self.finish(vm, undecided(&contenders));
             return;
         };
-        let runner = d
-            .runner_up
-            .and_then(|r| cache.roster.instances.get(r))
-            .map(|i| i.address.clone());
-        let dp_rank = best.is_multi_rank().then_some(d.dp_rank);
-        let slot = best.slot_of_rank(d.dp_rank).unwrap_or(0);
-        let address = best.address.clone();
         drop(cache);
+        let slot = to.slot;
         let rec = table(vm, cfg).record(&HostStore, &self.text_hashes, slot, now, CAS_RETRIES);
         host::increment_metric(vm.metrics.text.evictions, rec.evicted.into());
         host::increment_metric(vm.metrics.text.lost_writes, rec.lost.into());
         self.route(
             vm,
             cfg,
-            &address,
-            runner.as_deref(),
-            dp_rank,
+            &to.address,
+            to.runner.as_deref(),
+            to.dp_rank,
             LoadId::slot(slot),
             d.matched_blocks,
             query.block_size,
