@@ -221,6 +221,30 @@ where
     Body::from_stream(stream)
 }
 
+/// A streaming response: the simulator's headers, then [`sse_stream`]'s events.
+fn sse_response<F>(engine: &Engine, run: Running, chunk: F) -> Response
+where
+    F: Fn(usize, &[u32], bool) -> Value + Send + 'static,
+{
+    let mut resp = Response::new(Body::empty());
+    sim_headers(engine, &run, &mut resp);
+    *resp.body_mut() = sse_stream(engine.clone(), run, chunk);
+    let h = resp.headers_mut();
+    h.insert(
+        "content-type",
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert("cache-control", HeaderValue::from_static("no-cache"));
+    resp
+}
+
+/// OpenAI's `usage` object, with vLLM's cached-token detail.
+fn usage(prompt_tokens: usize, completion_tokens: usize, cached: usize) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached}})
+}
+
 /// Waits for every token of a non-streaming request.
 async fn run_to_end(run: &Running) -> Vec<u32> {
     let due =
@@ -261,34 +285,22 @@ async fn completions(
     let cached = run.cached_tokens;
     let fingerprint = engine.inner.cfg.name.clone();
     if req.stream {
-        let mut resp = Response::new(Body::empty());
-        sim_headers(&engine, &run, &mut resp);
         let out_total = run.output_tokens;
-        let body = sse_stream(engine.clone(), run, move |_sent, toks, last| {
+        return Ok(sse_response(&engine, run, move |_sent, toks, last| {
             json!({
                 "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": fingerprint,
                 "choices": [{"index": 0, "text": format!(" {}", tokenizer::decode(toks)), "logprobs": null,
                              "finish_reason": if last { Value::from("length") } else { Value::Null }}],
-                "usage": if last { json!({"prompt_tokens": prompt_len, "completion_tokens": out_total,
-                    "total_tokens": prompt_len + out_total, "prompt_tokens_details": {"cached_tokens": cached}}) } else { Value::Null },
+                "usage": if last { usage(prompt_len, out_total, cached) } else { Value::Null },
             })
-        });
-        *resp.body_mut() = body;
-        resp.headers_mut().insert(
-            "content-type",
-            HeaderValue::from_static("text/event-stream"),
-        );
-        resp.headers_mut()
-            .insert("cache-control", HeaderValue::from_static("no-cache"));
-        return Ok(resp);
+        }));
     }
     let toks = run_to_end(&run).await;
     let out = toks.len();
     let mut resp = Json(json!({
         "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": fingerprint,
         "choices": [{"index": 0, "text": format!(" {}", tokenizer::decode(&toks)), "logprobs": null, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": prompt_len, "completion_tokens": out, "total_tokens": prompt_len + out,
-                  "prompt_tokens_details": {"cached_tokens": cached}},
+        "usage": usage(prompt_len, out, cached),
     }))
     .into_response();
     sim_headers(&engine, &run, &mut resp);
@@ -321,10 +333,8 @@ async fn chat_completions(
     let cached = run.cached_tokens;
     let fingerprint = engine.inner.cfg.name.clone();
     if req.stream {
-        let mut resp = Response::new(Body::empty());
-        sim_headers(&engine, &run, &mut resp);
         let out_total = run.output_tokens;
-        let body = sse_stream(engine.clone(), run, move |sent, toks, last| {
+        return Ok(sse_response(&engine, run, move |sent, toks, last| {
             // The first chunk carries the role, as OpenAI's and vLLM's do.
             let delta = if sent == toks.len() {
                 json!({"role": "assistant", "content": format!(" {}", tokenizer::decode(toks))})
@@ -335,18 +345,9 @@ async fn chat_completions(
                 "id": id, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": fingerprint,
                 "choices": [{"index": 0, "delta": delta, "logprobs": null,
                              "finish_reason": if last { Value::from("length") } else { Value::Null }}],
-                "usage": if last { json!({"prompt_tokens": prompt_len, "completion_tokens": out_total,
-                    "total_tokens": prompt_len + out_total, "prompt_tokens_details": {"cached_tokens": cached}}) } else { Value::Null },
+                "usage": if last { usage(prompt_len, out_total, cached) } else { Value::Null },
             })
-        });
-        *resp.body_mut() = body;
-        resp.headers_mut().insert(
-            "content-type",
-            HeaderValue::from_static("text/event-stream"),
-        );
-        resp.headers_mut()
-            .insert("cache-control", HeaderValue::from_static("no-cache"));
-        return Ok(resp);
+        }));
     }
     let toks = run_to_end(&run).await;
     let out = toks.len();
@@ -354,8 +355,7 @@ async fn chat_completions(
         "id": id, "object": "chat.completion", "created": created, "model": model, "system_fingerprint": fingerprint,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": format!(" {}", tokenizer::decode(&toks))},
                      "logprobs": null, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": prompt_len, "completion_tokens": out, "total_tokens": prompt_len + out,
-                  "prompt_tokens_details": {"cached_tokens": cached}},
+        "usage": usage(prompt_len, out, cached),
     }))
     .into_response();
     sim_headers(&engine, &run, &mut resp);
