@@ -39,6 +39,18 @@ const CHAT_IDS: [u32; 19] = [
     198, 151644, 77091, 198,
 ];
 
+/// POSTs `body` as JSON and returns the JSON answer.
+async fn post_json(c: &reqwest::Client, url: &str, body: &Value) -> Value {
+    c.post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 fn chat() -> Value {
     json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world"}])
 }
@@ -47,25 +59,14 @@ fn chat() -> Value {
 async fn chat_and_prompts_use_the_real_tokenizer() {
     let (_e, url) = serve(config(qwen3())).await;
     let c = reqwest::Client::new();
-    let v: Value = c
-        .post(format!("{url}/tokenize"))
-        .json(&json!({"messages": chat()}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = post_json(&c, &format!("{url}/tokenize"), &json!({"messages": chat()})).await;
     assert_eq!(v["tokens"], json!(CHAT_IDS));
-    let v: Value = c
-        .post(format!("{url}/tokenize"))
-        .json(&json!({"prompt": "Hello world"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = post_json(
+        &c,
+        &format!("{url}/tokenize"),
+        &json!({"prompt": "Hello world"}),
+    )
+    .await;
     assert_eq!(v["tokens"], json!([9707, 1879]));
 
     for expect_cached in [0u64, 16] {
@@ -153,14 +154,6 @@ async fn without_a_tokenizer_chat_uses_the_toy_one() {
         .unwrap();
     // "user: t1 t2 t3\n": the word "user:" hashes, then the three ids.
     assert_eq!(v["usage"]["prompt_tokens"], 4);
-    let v: Value = c
-        .post(format!("{url}/tokenize"))
-        .json(&json!({"prompt": "t5 t6"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = post_json(&c, &format!("{url}/tokenize"), &json!({"prompt": "t5 t6"})).await;
     assert_eq!(v["tokens"], json!([5, 6]));
 }
