@@ -18,6 +18,7 @@ mod error;
 mod limits;
 mod message;
 mod segments;
+mod split;
 pub mod synth;
 mod template;
 mod tokenizer;

@@ -93,28 +93,28 @@ impl Segmenter {
         })
     }
 
-    /// The ids of `text`, piece by piece.
+    /// The ids of `text`, piece by piece; `encode_piece` encodes text free of added tokens.
     pub(crate) fn encode(
         &self,
-        inner: &tokenizers::Tokenizer,
         text: &str,
+        encode_piece: &dyn Fn(&str) -> tokenizers::Result<Vec<u32>>,
     ) -> tokenizers::Result<Vec<u32>> {
         let mut out = Vec::with_capacity(text.len() / 3);
         let mut at = 0;
         for m in self.matcher.find_iter(text) {
-            self.piece(inner, &text[at..m.start()], &mut out)?;
+            self.piece(encode_piece, &text[at..m.start()], &mut out)?;
             if let Some(id) = self.ids.get(m.pattern().as_usize()) {
                 out.push(*id);
             }
             at = m.end();
         }
-        self.piece(inner, &text[at..], &mut out)?;
+        self.piece(encode_piece, &text[at..], &mut out)?;
         Ok(out)
     }
 
     fn piece(
         &self,
-        inner: &tokenizers::Tokenizer,
+        encode_piece: &dyn Fn(&str) -> tokenizers::Result<Vec<u32>>,
         piece: &str,
         out: &mut Vec<u32>,
     ) -> tokenizers::Result<()> {
@@ -122,7 +122,7 @@ impl Segmenter {
             return Ok(());
         }
         if piece.len() < MIN_CACHED_BYTES {
-            out.extend_from_slice(inner.encode_fast(piece, false)?.get_ids());
+            out.extend_from_slice(&encode_piece(piece)?);
             return Ok(());
         }
         let cached = self.lock().get(piece);
@@ -130,7 +130,7 @@ impl Segmenter {
             Some(ids) => ids,
             None => {
                 // Tokenized outside the lock: other threads go on meanwhile.
-                let ids: Arc<[u32]> = inner.encode_fast(piece, false)?.get_ids().into();
+                let ids: Arc<[u32]> = encode_piece(piece)?.into();
                 self.lock().put(piece, ids.clone());
                 ids
             }

@@ -10,6 +10,7 @@ use crate::error::{LoadError, TextError};
 use crate::limits::Limits;
 use crate::message::Message;
 use crate::segments::Segmenter;
+use crate::split::FastPath;
 use crate::template::{ChatTemplate, SpecialTokens};
 
 /// A model's tokenizer and chat template. `Send + Sync`: share one behind an `Arc`.
@@ -20,6 +21,8 @@ pub struct Tokenizer {
     limits: Limits,
     /// Piecewise encoding with a cache of pieces, where that is exact.
     segmenter: Option<Segmenter>,
+    /// The pieces' encoder without backtracking, where that is exact (with the segmenter only).
+    fast: Option<FastPath>,
 }
 
 /// Memory for cached pieces per tokenizer: about a million tokens of conversation turns.
@@ -112,12 +115,14 @@ impl Tokenizer {
             })
             .transpose()?;
         let segmenter = Segmenter::build(&inner, PIECE_CACHE_BYTES);
+        let fast = segmenter.as_ref().and_then(|_| FastPath::build(&inner));
         Ok(Tokenizer {
             inner,
             template,
             special,
             limits: Limits::default(),
             segmenter,
+            fast,
         })
     }
 
@@ -136,6 +141,12 @@ impl Tokenizer {
     /// pieces (exact for this tokenizer; see the `segments` module).
     pub fn caches_pieces(&self) -> bool {
         self.segmenter.is_some()
+    }
+
+    /// Whether pieces are split by the automaton instead of `tokenizers`' backtracking regex
+    /// (exact for this tokenizer; see the `split` module).
+    pub fn splits_fast(&self) -> bool {
+        self.segmenter.is_some() && self.fast.is_some()
     }
 
     /// Encodes with `tokenizers` in one pass, no piece cache (tests compare the two).
@@ -216,7 +227,10 @@ impl Tokenizer {
         // input from taking the process down.
         let encoded = catch_unwind(AssertUnwindSafe(|| match &self.segmenter {
             // Exact for both: the segmenter exists only where no special tokens are added.
-            Some(segmenter) => segmenter.encode(&self.inner, text),
+            Some(segmenter) => segmenter.encode(text, &|piece| match &self.fast {
+                Some(fast) => fast.encode(&self.inner, piece),
+                None => Ok(self.inner.encode_fast(piece, false)?.get_ids().to_vec()),
+            }),
             None => self
                 .inner
                 .encode_fast(text, add_special_tokens)

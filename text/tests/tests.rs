@@ -8,6 +8,7 @@ use kvroute_text::Tokenizer;
 
 mod hostile;
 mod reference;
+mod split;
 mod synth;
 
 fn qwen3_dir() -> PathBuf {
