@@ -180,6 +180,23 @@ async fn events_before_registration_are_recovered_by_replay() {
     eventually(&state, None, |h| longest(h, &t, M, None, "a") == 24).await;
 }
 
+/// Binds a plain listener on the address of a closed publisher (`tcp://ip:port`), retried
+/// briefly like the publisher's own bind. `close` releases the ports, so one still taken fails
+/// here and now, not as a 40 s wait for a disconnection that cannot come.
+async fn hold_port(endpoint: &str) -> std::net::TcpListener {
+    let addr = endpoint.trim_start_matches("tcp://");
+    let until = tokio::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        match std::net::TcpListener::bind(addr) {
+            Ok(l) => return l,
+            Err(e) if tokio::time::Instant::now() >= until => {
+                panic!("{addr} still taken 2 s after the publisher closed: {e}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_keeps_blocks_for_a_while_then_reconnect_resumes() {
     let state = Shared::new(config());
@@ -191,9 +208,9 @@ async fn disconnect_keeps_blocks_for_a_while_then_reconnect_resumes() {
     let replay = p.replay_endpoint.clone().expect("replay bound");
     let (endpoint, next) = (p.endpoint.clone(), p.next_seq());
     p.close().await;
-    // Hold the port meanwhile, so that no other test's publisher gets it.
-    let hold = std::net::TcpListener::bind(endpoint.trim_start_matches("tcp://")).ok();
-    let hold_replay = std::net::TcpListener::bind(replay.trim_start_matches("tcp://")).ok();
+    // Hold the ports meanwhile, so that no other test's publisher gets them.
+    let hold = hold_port(&endpoint).await;
+    let hold_replay = hold_port(&replay).await;
     eventually(&state, None, |h| h.workers().all(|w| !w.status.connected)).await;
     // Disconnected, but within keep_disconnected (60 s): the blocks stay.
     assert_eq!(longest(&state.read(), &t, M, None, "a"), 8);
@@ -223,7 +240,7 @@ async fn a_worker_disconnected_too_long_loses_its_blocks() {
     let endpoint = p.endpoint.clone();
     p.close().await;
     // Hold the port, so that no other test's publisher gets it and the SUB reconnects there.
-    let _hold = std::net::TcpListener::bind(endpoint.trim_start_matches("tcp://")).ok();
+    let _hold = hold_port(&endpoint).await;
     eventually(&state, None, |h| longest(h, &t, M, None, "a") == 0).await;
     assert!(state.read().workers().all(|w| !w.status.connected));
 }
