@@ -171,8 +171,7 @@ fn replay(replay_ep: &str, start: u64) -> Vec<Vec<Bytes>> {
         .expect("send replay request");
     let mut out = Vec::new();
     loop {
-        let frames =
-            recv_timeout(&dealer, Duration::from_secs(10)).expect("replay reply in time");
+        let frames = recv_timeout(&dealer, Duration::from_secs(10)).expect("replay reply in time");
         let end = frames.iter().any(|f| f.as_ref() == [0xff; 8]);
         out.push(frames);
         if end {
