@@ -268,8 +268,10 @@ fn open(
     Ok((socket, bound))
 }
 
-/// Starts a thread that opens a socket and, once it is bound, runs `serve` on it; the
-/// receiver gets the bound address or why it failed.
+/// What a socket thread reports once it has tried to bind: the bound address, or why not.
+type Ready = oneshot::Receiver<Result<String, PublishError>>;
+
+/// Starts a thread that opens a socket and, once it is bound, runs `serve` on it.
 fn spawn_socket(
     name: &str,
     ctx: zmq::Context,
@@ -277,13 +279,7 @@ fn spawn_socket(
     endpoint: &str,
     sndhwm: i32,
     serve: impl FnOnce(&zmq::Socket) + Send + 'static,
-) -> Result<
-    (
-        JoinHandle<()>,
-        oneshot::Receiver<Result<String, PublishError>>,
-    ),
-    PublishError,
-> {
+) -> Result<(JoinHandle<()>, Ready), PublishError> {
     let (ready_tx, ready) = oneshot::channel();
     let ep = endpoint.to_string();
     let thread = std::thread::Builder::new()
@@ -306,10 +302,7 @@ fn spawn_socket(
 }
 
 /// The bound address a socket thread reports (a thread that died says nothing: a bind error).
-async fn bound(
-    ready: oneshot::Receiver<Result<String, PublishError>>,
-    endpoint: &str,
-) -> Result<String, PublishError> {
+async fn bound(ready: Ready, endpoint: &str) -> Result<String, PublishError> {
     ready.await.unwrap_or_else(|_| {
         Err(PublishError::Bind {
             endpoint: endpoint.to_string(),
