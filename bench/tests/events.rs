@@ -10,7 +10,6 @@ use kvroute::event::{EngineHash, KvEvent, Tier};
 use kvroute_sim::cache::{CacheConfig, CacheEvent};
 use kvroute_sim::engine::{Engine, EngineConfig};
 use kvroute_sim::wire::EventFormat;
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 /// One atomic change: a stored block (with its parent), a removed block, or a clear.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -126,45 +125,53 @@ async fn touch(e: &Engine, p: Vec<u32>, rank: Option<u32>) {
     drop(run);
 }
 
-async fn recv_timeout(sub: &mut zeromq::SubSocket, wait: Duration) -> Option<ZmqMessage> {
-    tokio::time::timeout(wait, sub.recv())
-        .await
+// The test side uses blocking libzmq sockets with receive timeouts: the engine runs on the
+// runtime's workers and its publisher on threads of its own, not on the test body's thread.
+
+/// A socket of the test's own context, closed at once when dropped.
+fn socket(kind: zmq::SocketType, endpoint: &str) -> zmq::Socket {
+    let s = zmq::Context::new().socket(kind).expect("socket");
+    s.set_linger(0).unwrap();
+    s.connect(endpoint).expect("connect");
+    s
+}
+
+/// The next message's frames, or `None` after `wait`.
+fn recv_timeout(s: &zmq::Socket, wait: Duration) -> Option<Vec<Bytes>> {
+    let ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
+    s.set_rcvtimeo(ms).unwrap();
+    s.recv_multipart(0)
         .ok()
-        .and_then(Result::ok)
+        .map(|frames| frames.into_iter().map(Bytes::from).collect())
+}
+
+fn seq_of(frames: &[Bytes]) -> u64 {
+    u64::from_be_bytes(frames[1].as_ref().try_into().unwrap())
 }
 
 /// Subscribes and publishes probe batches until one arrives, so later batches are not lost to
 /// the slow-joiner race (bounded number of probes).
-async fn subscribe(e: &Engine, rank: u32) -> (zeromq::SubSocket, Vec<ZmqMessage>) {
+async fn subscribe(e: &Engine, rank: u32) -> (zmq::Socket, Vec<Vec<Bytes>>) {
     let (ep, _) = e.event_endpoints()[rank as usize].clone();
-    let mut sub = zeromq::SubSocket::new();
-    sub.connect(&ep).await.expect("connect");
-    sub.subscribe("").await.expect("subscribe");
+    let sub = socket(zmq::SUB, &ep);
+    sub.set_subscribe(b"").expect("subscribe");
     for i in 0..200u32 {
         touch(e, vec![90_000 + i; 5], Some(rank)).await;
-        if let Some(m) = recv_timeout(&mut sub, Duration::from_millis(200)).await {
+        if let Some(m) = recv_timeout(&sub, Duration::from_millis(200)) {
             return (sub, vec![m]);
         }
     }
     panic!("no batch arrived after 200 probes");
 }
 
-async fn replay(replay_ep: &str, start: u64) -> Vec<Vec<Bytes>> {
-    let mut dealer = zeromq::DealerSocket::new();
-    dealer.connect(replay_ep).await.expect("connect replay");
-    let req = ZmqMessage::try_from(vec![
-        Bytes::new(),
-        Bytes::copy_from_slice(&start.to_be_bytes()),
-    ])
-    .unwrap();
-    dealer.send(req).await.expect("send replay request");
+fn replay(replay_ep: &str, start: u64) -> Vec<Vec<Bytes>> {
+    let dealer = socket(zmq::DEALER, replay_ep);
+    dealer
+        .send_multipart([&[][..], &start.to_be_bytes()[..]], 0)
+        .expect("send replay request");
     let mut out = Vec::new();
     loop {
-        let m = tokio::time::timeout(Duration::from_secs(10), dealer.recv())
-            .await
-            .expect("replay reply in time")
-            .unwrap();
-        let frames = m.into_vec();
+        let frames = recv_timeout(&dealer, Duration::from_secs(10)).expect("replay reply in time");
         let end = frames.iter().any(|f| f.as_ref() == [0xff; 8]);
         out.push(frames);
         if end {
@@ -175,7 +182,7 @@ async fn replay(replay_ep: &str, start: u64) -> Vec<Vec<Bytes>> {
 
 async fn check_stream(format: EventFormat) {
     let e = engine(format, "tcp://127.0.0.1:0", 1).await;
-    let (mut sub, mut live) = subscribe(&e, 0).await;
+    let (sub, mut live) = subscribe(&e, 0).await;
     for i in 0..40 {
         touch(&e, prompt(i), None).await;
     }
@@ -186,30 +193,22 @@ async fn check_stream(format: EventFormat) {
     published.wait_for(|s| *s == Some(last)).await.unwrap();
     // Live messages until the last seq (the PUB queue delivers in order).
     loop {
-        let seq_of =
-            |m: &ZmqMessage| u64::from_be_bytes(m.get(1).unwrap().as_ref().try_into().unwrap());
-        if live.last().map(seq_of) == Some(last) {
+        if live.last().map(|m| seq_of(m)) == Some(last) {
             break;
         }
-        let m = recv_timeout(&mut sub, Duration::from_secs(10))
-            .await
-            .expect("live batch");
+        let m = recv_timeout(&sub, Duration::from_secs(10)).expect("live batch");
         live.push(m);
     }
     let mut payloads: BTreeMap<u64, Bytes> = BTreeMap::new();
-    for m in &live {
-        let f = m.clone().into_vec();
+    for f in &live {
         assert_eq!(f.len(), 3, "[topic, seq, payload]");
         assert_eq!(f[0].as_ref(), b"kv@e0@sim-model");
-        payloads.insert(
-            u64::from_be_bytes(f[1].as_ref().try_into().unwrap()),
-            f[2].clone(),
-        );
+        payloads.insert(seq_of(f), f[2].clone());
     }
     // Replay everything from seq 0: the early batches the subscription missed, and the rest
     // exactly as they went out live.
     let (_, replay_ep) = e.event_endpoints()[0].clone();
-    let replies = replay(&replay_ep.unwrap(), 0).await;
+    let replies = replay(&replay_ep.unwrap(), 0);
     let (end, batches) = replies.split_last().unwrap();
     if format == EventFormat::Vllm023 {
         assert_eq!(
@@ -332,14 +331,12 @@ async fn dp_ranks_publish_on_offset_ports_with_their_rank() {
     let eps = e.event_endpoints();
     assert_eq!(eps[0].0, format!("tcp://127.0.0.1:{port}"));
     assert_eq!(eps[1].0, format!("tcp://127.0.0.1:{}", port + 1));
-    let (mut sub, first) = subscribe(&e, 1).await;
-    let batch = kvroute_collector::decode::decode(first[0].get(2).unwrap()).unwrap();
+    let (sub, first) = subscribe(&e, 1).await;
+    let batch = kvroute_collector::decode::decode(&first[0][2]).unwrap();
     assert_eq!(batch.dp_rank, Some(1));
     touch(&e, vec![7; 9], Some(1)).await;
-    let m = recv_timeout(&mut sub, Duration::from_secs(10))
-        .await
-        .expect("rank 1 batch");
-    let batch = kvroute_collector::decode::decode(m.get(2).unwrap()).unwrap();
+    let m = recv_timeout(&sub, Duration::from_secs(10)).expect("rank 1 batch");
+    let batch = kvroute_collector::decode::decode(&m[2]).unwrap();
     assert_eq!(batch.dp_rank, Some(1));
     assert!(e.journal(0).is_empty(), "rank 0 saw nothing");
 }

@@ -299,17 +299,11 @@ impl Engine {
             let publisher = match &cfg.events_endpoint {
                 Some(ep) => {
                     let endpoint =
-                        wire::offset_endpoint_port(ep, r).map_err(|e| PublishError::Bind {
-                            endpoint: e,
-                            source: zeromq::ZmqError::NoMessage,
-                        })?;
+                        wire::offset_endpoint_port(ep, r).map_err(PublishError::Endpoint)?;
                     let replay_endpoint = match &cfg.replay_endpoint {
-                        Some(rep) => Some(wire::offset_endpoint_port(rep, r).map_err(|e| {
-                            PublishError::Bind {
-                                endpoint: e,
-                                source: zeromq::ZmqError::NoMessage,
-                            }
-                        })?),
+                        Some(rep) => Some(
+                            wire::offset_endpoint_port(rep, r).map_err(PublishError::Endpoint)?,
+                        ),
                         None => None,
                     };
                     Some(

@@ -15,7 +15,7 @@
 //! - [`replay`]: replays a trace against a URL or through an in-process router, with summary
 //!   statistics.
 //!
-//! It must not be a dependency of the filter: everything here is native (tokio, axum, zeromq).
+//! It must not be a dependency of the filter: everything here is native (tokio, axum, libzmq).
 
 pub mod cache;
 pub mod engine;
