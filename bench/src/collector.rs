@@ -58,7 +58,7 @@ fn encode(events: &[KvEvent]) -> Vec<u8> {
     wire::encode_events(FORMAT, EXTRAS, 1.0, events, Some(0))
 }
 
-/// `n` publishers on loopback, started on `rt` (their send tasks run there).
+/// `n` publishers on loopback, started from `rt` (each sends on threads of its own).
 fn start_publishers(rt: &tokio::runtime::Runtime, n: usize) -> Result<Vec<Publisher>, String> {
     rt.block_on(async {
         let mut out = Vec::with_capacity(n);
