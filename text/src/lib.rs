@@ -14,11 +14,12 @@
 //! Every size limit ([`Limits`]) is checked before any tokenizing, and no input panics: the
 //! tokenizer and the template engine run behind `catch_unwind`, templates with a fuel bound.
 
+mod bpe;
 mod error;
 mod limits;
 mod message;
+mod pretokenize;
 mod segments;
-mod split;
 pub mod synth;
 mod template;
 mod tokenizer;

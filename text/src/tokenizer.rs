@@ -6,11 +6,11 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use crate::bpe::FastPath;
 use crate::error::{LoadError, TextError};
 use crate::limits::Limits;
 use crate::message::Message;
 use crate::segments::Segmenter;
-use crate::split::FastPath;
 use crate::template::{ChatTemplate, SpecialTokens};
 
 /// A model's tokenizer and chat template. `Send + Sync`: share one behind an `Arc`.
@@ -144,7 +144,7 @@ impl Tokenizer {
     }
 
     /// Whether pieces are split by the automaton instead of `tokenizers`' backtracking regex
-    /// (exact for this tokenizer; see the `split` module).
+    /// (exact for this tokenizer; see the `pretokenize` module).
     pub fn splits_fast(&self) -> bool {
         self.segmenter.is_some() && self.fast.is_some()
     }

@@ -6,9 +6,9 @@ use std::sync::OnceLock;
 
 use kvroute_text::Tokenizer;
 
+mod fast_path;
 mod hostile;
 mod reference;
-mod split;
 mod synth;
 
 fn qwen3_dir() -> PathBuf {

@@ -1,13 +1,7 @@
 //! A fast, exact encoder for byte-level BPE tokenizers of the GPT-4 family (Qwen2/3, Llama 3,
-//! ...): the `Split` pre-tokenizer's regex run by the `regex` crate's automata instead of
-//! `fancy-regex`'s backtracking, then the model's own BPE per piece, with a cache of pieces.
-//!
-//! Why: `fancy-regex` needs backtracking only for one look-ahead, `\s+(?!\S)`, and spends
-//! about 20 ms splitting an 8k-token prompt — most of the time of a text `/query`. The regex
-//! without it (`...|\s+`) is a plain automaton; the look-ahead becomes one rule on the match
-//! (a whitespace run of two or more characters followed by a non-space gives its last
-//! character back to the next piece). Everything else is `tokenizers`' own code: the
-//! normalizer, the byte-to-character table, the BPE model with its merges.
+//! ...): the `Split` pre-tokenizer without backtracking ([`crate::pretokenize`]), then the
+//! model's own BPE per piece, with a cache of pieces. Everything but the split is
+//! `tokenizers`' own code: the normalizer, the byte-to-character table, the BPE merges.
 //!
 //! Used only where exact ([`FastPath::build`] checks the tokenizer's shape, then a probe
 //! corpus against the library's own pipeline); tests compare both on random text.
@@ -18,9 +12,7 @@ use hashbrown::HashMap;
 use serde_json::Value;
 use tokenizers::{Model, ModelWrapper, NormalizedString, Normalizer};
 
-/// The look-ahead alternatives every supported pattern ends with, and their replacement.
-const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
-const PLAIN_TAIL: &str = r"|\s+";
+use crate::pretokenize::Splitter;
 
 /// Most pieces kept in the cache before it starts over (a piece is a word, a number, a run of
 /// punctuation or of spaces: a language's working vocabulary fits many times over).
@@ -30,7 +22,7 @@ const MAX_CACHED_PIECES: usize = 200_000;
 const MAX_CACHED_PIECE_BYTES: usize = 64;
 
 pub(crate) struct FastPath {
-    split: regex::Regex,
+    split: Splitter,
     nfc: bool,
     /// Byte `b` as the character byte-level BPE writes for it, UTF-8 encoded.
     byte_chars: Vec<String>,
@@ -46,7 +38,7 @@ impl FastPath {
             Some(Ok(v)) if v["type"] == "NFC" => true,
             Some(_) => return None,
         };
-        let pattern = split_pattern(&serde_json::to_value(inner.get_pre_tokenizer()?).ok()?)?;
+        let split = split_pattern(&serde_json::to_value(inner.get_pre_tokenizer()?).ok()?)?;
         let ModelWrapper::BPE(bpe) = inner.get_model() else {
             return None;
         };
@@ -60,7 +52,7 @@ impl FastPath {
             return None;
         }
         let fast = FastPath {
-            split: regex::Regex::new(&pattern).ok()?,
+            split,
             nfc,
             byte_chars: byte_chars(),
             pieces: RwLock::new(HashMap::new()),
@@ -99,7 +91,7 @@ impl FastPath {
         {
             let cache = self.pieces.read().unwrap_or_else(|e| e.into_inner());
             let mut mapped = String::new();
-            for piece in self.pieces_of(text) {
+            for piece in self.split.pieces(text) {
                 if let Some(ids) = cache.get(piece) {
                     out.extend_from_slice(ids);
                     continue;
@@ -124,89 +116,11 @@ impl FastPath {
         }
         Ok(out)
     }
-
-    /// The pre-tokenizer's pieces of `text`.
-    fn pieces_of<'t>(&'t self, text: &'t str) -> Pieces<'t> {
-        Pieces {
-            split: &self.split,
-            text,
-            at: 0,
-            base: 0,
-            matches: self.split.find_iter(text),
-            pending: None,
-        }
-    }
 }
 
-/// The regex's matches with the look-ahead rule, and any text between matches as a piece of
-/// its own (`Isolated`). One pass of `find_iter`, restarted only where the rule gives a
-/// character back (rare in prose; the regex has no look-around, so a restart on a suffix of
-/// the text finds what a search from that offset would).
-struct Pieces<'t> {
-    split: &'t regex::Regex,
-    text: &'t str,
-    /// The start of what is not yet a piece.
-    at: usize,
-    /// The offset of the text `matches` runs on.
-    base: usize,
-    matches: regex::Matches<'t, 't>,
-    /// A match found after a gap, whose turn comes after the gap's.
-    pending: Option<(usize, usize)>,
-}
-
-impl<'t> Iterator for Pieces<'t> {
-    type Item = &'t str;
-
-    fn next(&mut self) -> Option<&'t str> {
-        let text = self.text;
-        loop {
-            let found = self.pending.take().or_else(|| {
-                self.matches
-                    .next()
-                    .map(|m| (self.base + m.start(), self.base + m.end()))
-            });
-            let Some((start, mut end)) = found else {
-                let rest = &text[self.at..];
-                self.at = text.len();
-                return (!rest.is_empty()).then_some(rest);
-            };
-            if start == end {
-                continue;
-            }
-            if start > self.at {
-                self.pending = Some((start, end));
-                let gap = &text[self.at..start];
-                self.at = start;
-                return Some(gap);
-            }
-            let piece = &text[start..end];
-            // Only the final `\s+` alternative matches whitespace alone without ending in a
-            // line break (`\s*[\r\n]+` ends in one; every other alternative holds a non-space).
-            if let Some(last) = piece.chars().next_back() {
-                let followed_by_text = text[end..]
-                    .chars()
-                    .next()
-                    .is_some_and(|c| !c.is_whitespace());
-                if followed_by_text
-                    && last != '\n'
-                    && last != '\r'
-                    && piece.len() > last.len_utf8()
-                    && piece.chars().all(char::is_whitespace)
-                {
-                    end -= last.len_utf8();
-                    self.base = end;
-                    self.matches = self.split.find_iter(&text[end..]);
-                }
-            }
-            self.at = end;
-            return Some(&text[start..end]);
-        }
-    }
-}
-
-/// The regex of a `Sequence[Split(Isolated), ByteLevel(no prefix space, no regex)]`
-/// pre-tokenizer whose pattern ends with `\s+(?!\S)|\s+`, rewritten without the look-ahead.
-fn split_pattern(pre: &Value) -> Option<String> {
+/// The splitter of a `Sequence[Split(Isolated), ByteLevel(no prefix space, no regex)]`
+/// pre-tokenizer whose pattern [`Splitter::new`] takes.
+fn split_pattern(pre: &Value) -> Option<Splitter> {
     let steps = match pre["type"].as_str()? {
         "Sequence" => pre["pretokenizers"].as_array()?,
         _ => return None,
@@ -222,13 +136,7 @@ fn split_pattern(pre: &Value) -> Option<String> {
     if !(ok_split && ok_bytes) {
         return None;
     }
-    let pattern = split["pattern"]["Regex"].as_str()?;
-    let head = pattern.strip_suffix(LOOKAHEAD_TAIL)?;
-    let plain = format!("{head}{PLAIN_TAIL}");
-    // No anchor or word boundary either (a search restarted on a suffix must find what a
-    // search from that offset would); look-arounds and back-references do not parse at all.
-    let hir = regex_syntax::parse(&plain).ok()?;
-    hir.properties().look_set().is_empty().then_some(plain)
+    Splitter::new(split["pattern"]["Regex"].as_str()?)
 }
 
 /// GPT-2's byte-to-character table, as `tokenizers`' `ByteLevel` builds it: printable bytes
@@ -284,32 +192,16 @@ mod tests {
     }
 
     #[test]
-    fn only_the_supported_shape_gets_a_pattern() {
-        let pre = |pattern: &str, use_regex: bool| {
+    fn only_the_supported_shape_gets_a_splitter() {
+        let pre = |split: &str, use_regex: bool| {
             serde_json::json!({"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+                {"type": split, "pattern": {"Regex": r"\p{L}+|\s+(?!\S)|\s+"}, "behavior": "Isolated", "invert": false},
                 {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": use_regex}
             ]})
         };
-        assert_eq!(
-            split_pattern(&pre(r"\p{L}+|\s+(?!\S)|\s+", false)).as_deref(),
-            Some(r"\p{L}+|\s+")
-        );
-        assert_eq!(split_pattern(&pre(r"\p{L}+|\s+", false)), None);
-        assert_eq!(
-            split_pattern(&pre(r"(?=a)\p{L}+|\s+(?!\S)|\s+", false)),
-            None
-        );
-        assert_eq!(split_pattern(&pre(r"\b\p{L}+|\s+(?!\S)|\s+", false)), None);
-        assert_eq!(split_pattern(&pre(r"^\p{L}+|\s+(?!\S)|\s+", false)), None);
-        assert_eq!(
-            split_pattern(&pre(r"[^\r\n]?\p{L}+|\s+(?!\S)|\s+", false)).as_deref(),
-            Some(r"[^\r\n]?\p{L}+|\s+")
-        );
-        assert_eq!(split_pattern(&pre(r"\p{L}+|\s+(?!\S)|\s+", true)), None);
-        assert_eq!(
-            split_pattern(&serde_json::json!({"type": "ByteLevel"})),
-            None
-        );
+        assert!(split_pattern(&pre("Split", false)).is_some());
+        assert!(split_pattern(&pre("Split", true)).is_none());
+        assert!(split_pattern(&pre("Punctuation", false)).is_none());
+        assert!(split_pattern(&serde_json::json!({"type": "ByteLevel"})).is_none());
     }
 }

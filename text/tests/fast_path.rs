@@ -1,4 +1,4 @@
-//! The fast split (an automaton instead of a backtracking regex) against the library's own
+//! The fast path (split without backtracking, the model's BPE per piece) against the library's own
 //! pipeline, on text built to hit every branch of the pre-tokenizer's pattern.
 
 use proptest::prelude::*;
