@@ -9,7 +9,7 @@
 //! that adds nothing; otherwise [`Segmenter::build`] says no and the whole text goes to
 //! `tokenizers` as before.
 
-use std::collections::HashMap;
+use hashbrown::HashMap;
 use std::sync::{Arc, Mutex};
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
