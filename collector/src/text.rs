@@ -29,6 +29,28 @@ pub enum TextInput {
 }
 
 impl TextInput {
+    /// Whether its text (every string in the messages) is at most `limit` bytes.
+    fn fits(&self, limit: usize) -> bool {
+        fn strings(v: &Value, budget: &mut usize) -> bool {
+            match v {
+                Value::String(s) => match budget.checked_sub(s.len()) {
+                    Some(rest) => {
+                        *budget = rest;
+                        true
+                    }
+                    None => false,
+                },
+                Value::Array(items) => items.iter().all(|i| strings(i, budget)),
+                Value::Object(fields) => fields.values().all(|f| strings(f, budget)),
+                _ => true,
+            }
+        }
+        match self {
+            TextInput::Prompt(p) => p.len() <= limit,
+            TextInput::Messages { messages, .. } => strings(messages, &mut limit.clone()),
+        }
+    }
+
     fn label(&self) -> &'static str {
         match self {
             TextInput::Prompt(_) => "prompt",
@@ -177,35 +199,51 @@ impl Tokenizers {
         let limits = self.limits;
         let loads = metrics.tokenizers_loaded.clone();
         let started = Instant::now();
-        let result = tokio::task::spawn_blocking(move || {
-            let tokenizer = match slot.loaded.get() {
-                Some(Ok(t)) => t.clone(),
-                _ => load_counted(&slot, limits, &loads).map_err(|message| {
-                    TokenizeError::Unavailable {
-                        model: slot.spec.model.clone(),
-                        message,
-                    }
-                })?,
-            };
-            let ids = match input {
-                TextInput::Prompt(prompt) => tokenizer.encode(&prompt)?,
-                TextInput::Messages {
-                    messages,
-                    add_generation_prompt,
-                } => {
-                    let messages = parse_messages(&messages, &limits)?;
-                    tokenizer.encode_chat(&messages, add_generation_prompt)?
-                }
-            };
-            Ok(ids)
-        })
-        .await
-        .map_err(|e| TokenizeError::Internal(e.to_string()))?;
+        // A loaded tokenizer encodes a text this small in well under a millisecond (the fast
+        // path): cheaper here than a hop to the blocking pool, whose thread may have to start.
+        let loaded = slot.loaded.get().is_some_and(|t| t.is_ok());
+        let result = if loaded && input.fits(INLINE_TEXT_BYTES) {
+            tokenize(&slot, input, limits, &loads)
+        } else {
+            tokio::task::spawn_blocking(move || tokenize(&slot, input, limits, &loads))
+                .await
+                .map_err(|e| TokenizeError::Internal(e.to_string()))?
+        };
         metrics
             .tokenize_seconds
             .observe(started.elapsed().as_secs_f64());
         result
     }
+}
+
+/// Largest text tokenized on the async worker itself (about 12k tokens of English).
+const INLINE_TEXT_BYTES: usize = 64 << 10;
+
+/// Loads `slot`'s tokenizer if needed and encodes `input`: blocking work.
+fn tokenize(
+    slot: &Slot,
+    input: TextInput,
+    limits: Limits,
+    loads: &prometheus_client::metrics::counter::Counter,
+) -> Result<Vec<u32>, TokenizeError> {
+    let tokenizer = match slot.loaded.get() {
+        Some(Ok(t)) => t.clone(),
+        _ => load_counted(slot, limits, loads).map_err(|message| TokenizeError::Unavailable {
+            model: slot.spec.model.clone(),
+            message,
+        })?,
+    };
+    let ids = match input {
+        TextInput::Prompt(prompt) => tokenizer.encode(&prompt)?,
+        TextInput::Messages {
+            messages,
+            add_generation_prompt,
+        } => {
+            let messages = parse_messages(&messages, &limits)?;
+            tokenizer.encode_chat(&messages, add_generation_prompt)?
+        }
+    };
+    Ok(ids)
 }
 
 fn load(slot: &Slot, limits: Limits, metrics: &Metrics) -> Result<Arc<Tokenizer>, String> {
@@ -334,5 +372,30 @@ pub fn text_input(
             add_generation_prompt: add_generation_prompt.unwrap_or(true),
         }),
         _ => Err("give exactly one of token_ids, prompt, messages"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::TextInput;
+
+    #[test]
+    fn the_inline_size_counts_every_string_of_the_messages() {
+        let messages = |content: serde_json::Value| TextInput::Messages {
+            messages: json!([{"role": "user", "content": content}]),
+            add_generation_prompt: true,
+        };
+        // "user" + 10 bytes of content: keys are not counted, every string value is.
+        assert!(messages(json!("0123456789")).fits(14));
+        assert!(!messages(json!("0123456789")).fits(13));
+        let parts =
+            messages(json!([{"type": "text", "text": "abcdef"}, {"type": "text", "text": "gh"}]));
+        // "user", then "text" + "abcdef" and "text" + "gh".
+        assert!(parts.fits(4 + 4 + 6 + 4 + 2));
+        assert!(!parts.fits(4 + 4 + 6 + 4 + 1));
+        assert!(TextInput::Prompt("abc".into()).fits(3));
+        assert!(!TextInput::Prompt("abcd".into()).fits(3));
     }
 }
