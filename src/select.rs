@@ -183,9 +183,78 @@ pub fn rank(
     best.map(|(b, _)| (b, second.map(|(i, _)| i)))
 }
 
+/// Like [`rank`], but the winner is drawn: each index with odds `exp(−(cost − min) /
+/// (temperature × max(min, 1)))`, so contenders within a few `temperature`s of the cheapest
+/// (relative to its cost) share the requests and a much cheaper one still wins nearly always.
+/// Gateways deciding on the same slightly stale load then spread their picks instead of all
+/// choosing the same minimum. The runner-up is the cheapest of the others. `temperature` ≤ 0
+/// or not finite: [`rank`].
+pub fn sample(
+    costs: impl IntoIterator<Item = (usize, f64)>,
+    temperature: f64,
+    rng: &mut impl Random,
+) -> Option<(usize, Option<usize>)> {
+    if !(temperature.is_finite() && temperature > 0.0) {
+        return rank(costs, rng);
+    }
+    let costs: Vec<(usize, f64)> = costs.into_iter().collect();
+    let min = costs.iter().map(|&(_, c)| c).fold(f64::INFINITY, f64::min);
+    if !min.is_finite() {
+        return rank(costs, rng);
+    }
+    let scale = temperature * min.max(1.0);
+    let weight = |c: f64| (-(c - min) / scale).exp();
+    let total: f64 = costs.iter().map(|&(_, c)| weight(c)).sum();
+    // 53 random bits as a fraction of the total weight.
+    let mut left = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
+    let mut chosen = costs.len() - 1;
+    for (k, &(_, c)) in costs.iter().enumerate() {
+        left -= weight(c);
+        if left < 0.0 {
+            chosen = k;
+            break;
+        }
+    }
+    let (best, _) = costs[chosen];
+    let runner_up = costs
+        .iter()
+        .enumerate()
+        .filter(|&(k, _)| k != chosen)
+        .min_by(|a, b| a.1 .1.total_cmp(&b.1 .1))
+        .map(|(_, &(i, _))| i);
+    Some((best, runner_up))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sampling_spreads_near_ties_and_keeps_clear_winners() {
+        let mut rng = SplitMix64(7);
+        let mut wins = [0u32; 3];
+        for _ in 0..3000 {
+            // 100 and 105 are near (5 % apart); 400 is far.
+            let (best, runner_up) =
+                sample([(0, 100.0), (1, 105.0), (2, 400.0)], 0.1, &mut rng).unwrap();
+            wins[best] += 1;
+            let expected_runner_up = if best == 0 { 1 } else { 0 };
+            assert_eq!(runner_up, Some(expected_runner_up));
+        }
+        // Odds 1 : e^-0.5 : e^-30 → about 62 % / 38 % / 0.
+        assert!((1700..2000).contains(&wins[0]), "{wins:?}");
+        assert!((1000..1300).contains(&wins[1]), "{wins:?}");
+        assert_eq!(wins[2], 0, "{wins:?}");
+        // No temperature: the plain minimum.
+        for _ in 0..100 {
+            assert_eq!(
+                sample([(0, 100.0), (1, 105.0)], 0.0, &mut rng),
+                Some((0, Some(1)))
+            );
+        }
+        assert_eq!(sample(Vec::<(usize, f64)>::new(), 0.1, &mut rng), None);
+        assert_eq!(sample([(4, 1.0)], 0.1, &mut rng), Some((4, None)));
+    }
 
     fn cand(matched: u32, requests: u32, prefill: u64) -> Candidate {
         Candidate {

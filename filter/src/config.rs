@@ -214,6 +214,8 @@ struct RawRoute {
     speculative_ttl_ms: u64,
     #[serde(default = "default_max_hit_queue_tokens")]
     max_hit_queue_tokens: Option<u64>,
+    #[serde(default)]
+    temperature: f64,
 }
 
 impl Default for RawRoute {
@@ -222,6 +224,7 @@ impl Default for RawRoute {
             cold: default_cold(),
             speculative_ttl_ms: default_speculative_ttl(),
             max_hit_queue_tokens: default_max_hit_queue_tokens(),
+            temperature: Policy::default().temperature,
         }
     }
 }
@@ -581,6 +584,9 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     if !(0.0..=1.0).contains(&raw.load.max_kv_usage) {
         return Err(err("load.max_kv_usage", "must be between 0 and 1"));
     }
+    if !(0.0..=10.0).contains(&raw.route.temperature) {
+        return Err(err("route.temperature", "must be between 0 and 10"));
+    }
     if raw
         .load
         .gateway_id
@@ -685,6 +691,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             max_waiting: raw.load.max_waiting,
             max_kv_usage: raw.load.max_kv_usage as f32,
             max_hit_queue_tokens: raw.route.max_hit_queue_tokens,
+            temperature: raw.route.temperature,
         },
         weights,
         text,
@@ -891,7 +898,7 @@ mod tests {
                  "load": {"gateway_id": "gw-1", "fleet": false, "max_waiting": 3,
                           "max_kv_usage": 0.5, "default_decode_tokens": 64},
                  "route": {"cold": "defer", "speculative_ttl_ms": 0,
-                           "max_hit_queue_tokens": null}}"#,
+                           "max_hit_queue_tokens": null, "temperature": 0.2}}"#,
         )
         .unwrap();
         assert_eq!(c.gateway_id.as_deref(), Some("gw-1"));
@@ -899,11 +906,14 @@ mod tests {
         assert_eq!((c.policy.max_waiting, c.policy.max_kv_usage), (3, 0.5));
         assert_eq!(c.policy.cold, Cold::Defer);
         assert_eq!(c.policy.max_hit_queue_tokens, None);
+        assert_eq!(c.policy.temperature, 0.2);
         assert_eq!(c.default_decode_tokens, 64);
         for (bad, key) in [
             (r#""load": {"max_kv_usage": 1.5}"#, "load.max_kv_usage"),
             (r#""load": {"gateway_id": ""}"#, "load.gateway_id"),
             (r#""route": {"cold": "maybe"}"#, "route.cold"),
+            (r#""route": {"temperature": -1}"#, "route.temperature"),
+            (r#""route": {"temperature": 11}"#, "route.temperature"),
         ] {
             let json = format!(r#"{{"collector": {{"cluster": "c"}}, {bad}}}"#);
             let e = parse(json.as_bytes()).unwrap_err();

@@ -165,6 +165,8 @@ pub struct PolicySpec {
     pub max_kv_usage: Option<f32>,
     /// Hot-spot guard in tokens; absent or null: unbounded.
     pub max_hit_queue_tokens: Option<u64>,
+    /// Draws the winner among near-cheapest contenders; absent: 0 (the cheapest wins).
+    pub temperature: Option<f64>,
 }
 
 /// What to do with a request no instance holds a block of.
@@ -197,6 +199,10 @@ impl PolicySpec {
         if all.into_iter().any(|x| !x.is_finite() || *x < 0.0) {
             return Err("policy: weights must be finite and not negative".into());
         }
+        let temperature = self.temperature.unwrap_or(d.temperature);
+        if !(0.0..=10.0).contains(&temperature) {
+            return Err("policy: temperature must be between 0 and 10".into());
+        }
         Ok(Policy {
             weights,
             cold: match self.cold {
@@ -207,6 +213,7 @@ impl PolicySpec {
             max_waiting: self.max_waiting.unwrap_or(d.max_waiting),
             max_kv_usage: self.max_kv_usage.unwrap_or(d.max_kv_usage),
             max_hit_queue_tokens: self.max_hit_queue_tokens.or(d.max_hit_queue_tokens),
+            temperature,
         })
     }
 }
