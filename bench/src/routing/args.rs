@@ -126,6 +126,10 @@ pub struct BenchArgs {
     /// '{"route": {"max_hit_queue_tokens": 8192}}').
     #[arg(long, default_value = "{}")]
     pub filter_config: String,
+    /// The filter's `index.sync_interval_ms` (its feed pull and load report period) in
+    /// shipped milliseconds, scaled like the other periods by `--gateway-clock` [default: 100].
+    #[arg(long)]
+    pub sync_interval_ms: Option<f64>,
     /// The filter's `collector.query_timeout_ms`, wall milliseconds (default: envoy.yaml's
     /// shipped 20). Text requests' exact path is this callout, tokenizing included.
     #[arg(long)]

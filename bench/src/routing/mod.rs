@@ -411,7 +411,9 @@ async fn gateway_setup(a: &BenchArgs) -> anyhow::Result<GatewaySetup> {
         concurrency: a.envoy_concurrency.max(1),
         filter_config,
         work_dir: a.out.join("logs"),
-        sync_interval_ms: a.gateway_ms(SYNC_INTERVAL_MS).round() as u32,
+        sync_interval_ms: a
+            .gateway_ms(a.sync_interval_ms.unwrap_or(SYNC_INTERVAL_MS))
+            .round() as u32,
         query_timeout_ms: a.query_timeout_ms,
     })
 }
@@ -559,6 +561,7 @@ fn write_summary(a: &BenchArgs, all: &[(String, Vec<PolicyResult>)]) -> anyhow::
             "capacity_blocks": a.capacity_blocks, "prefill_tokens_per_s": a.prefill_tokens_per_s,
             "decode_ms_per_token": a.decode_ms_per_token, "seed": a.seed,
             "filter_config": a.filter_config, "gateway_clock": format!("{:?}", a.gateway_clock),
+            "sync_interval_ms": a.sync_interval_ms.unwrap_or(SYNC_INTERVAL_MS),
             "burst": {"requests": a.burst_requests, "shared_tokens": a.burst_shared_tokens,
                       "tail_tokens": a.burst_tail_tokens, "cold": a.burst_cold},
         },
