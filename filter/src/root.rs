@@ -3,6 +3,7 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
+use kvroute::approx::TextTable;
 use kvroute::feed::Page;
 use kvroute::mirror::{self, Keys, SyncError};
 use kvroute::select::SplitMix64;
@@ -238,6 +239,12 @@ impl RootContext for Root {
             .unwrap_or(vm_id ^ host::now_ms().rotate_left(17));
         let mode = plugin.global.mode;
         let interval = plugin.global.sync_interval;
+        let text = &plugin.global.text;
+        let text_table = TextTable::new(
+            &format!("{}/text", keys.prefix()),
+            text.max_entries,
+            millis(text.ttl),
+        );
         self.vm = Some(Rc::new(Vm {
             plugin,
             keys,
@@ -247,6 +254,7 @@ impl RootContext for Root {
             cache: RefCell::new(MetaCache::default()),
             scratch: RefCell::new(Scratch::default()),
             no_tokenizer: RefCell::new(NoTokenizer::default()),
+            text_table,
         }));
         if mode == Mode::Local && !host::set_tick_period(interval) {
             log::warn!("kvroute: cannot set the tick period");

@@ -176,6 +176,8 @@ pub(crate) struct Vm {
     pub cache: RefCell<MetaCache>,
     pub scratch: RefCell<Scratch>,
     pub no_tokenizer: RefCell<NoTokenizer>,
+    /// Where text prefixes were sent (approximate mode), in shared data under `keys`.
+    pub text_table: kvroute::approx::TextTable,
 }
 
 impl Vm {

@@ -8,7 +8,7 @@
 //!    makes per request. A 404 (no tokenizer for the model) is remembered per model for
 //!    `text.no_tokenizer_ttl_ms`; a 404, a timeout or any other failure falls to 3.
 //! 3. Approximate: the engines recorded for the longest prefix of the chain
-//!    ([`TextTable::lookup`]) become matches for the same `Roster::contenders` →
+//!    ([`approx::TextTable::lookup`]) become matches for the same `Roster::contenders` →
 //!    `route::decide` as token requests, with `CHARS_PER_TOKEN` characters counted as a
 //!    token. It needs the engine list of the local index: in remote mode, or before the
 //!    first sync, the request goes on unrouted (`no_match`, `stale_index`). Its index may be
@@ -20,7 +20,7 @@
 //! the first before the engine's KV events reach the collector.
 
 use kvroute::api::QueryResponse;
-use kvroute::approx::{self, TextTable, CHARS_PER_TOKEN};
+use kvroute::approx::{self, CHARS_PER_TOKEN};
 use kvroute::event::WorkerId;
 use kvroute::lookup::WorkerMatch;
 use kvroute::mirror::{self, LoadId, CAS_RETRIES};
@@ -39,15 +39,6 @@ use crate::Outcome;
 /// Most character blocks hashed (64 Mi characters at 128 per block; the body limit comes
 /// first).
 const MAX_TEXT_BLOCKS: usize = 1 << 19;
-
-/// The table of recorded text prefixes.
-fn table(vm: &VmRef, cfg: &Config) -> TextTable {
-    TextTable::new(
-        &format!("{}/text", vm.keys.prefix()),
-        cfg.text.max_entries,
-        millis(cfg.text.ttl),
-    )
-}
 
 /// The decision's block size in estimated tokens.
 fn text_block_tokens(cfg: &Config) -> u32 {
@@ -245,7 +236,9 @@ impl Http {
         if !cfg.speculative_ttl.is_zero() {
             let now = host::now_ms();
             let since = now.saturating_sub(millis(cfg.speculative_ttl));
-            let recent = table(vm, cfg).lookup_since(&store, &self.text_hashes, now, since);
+            let recent = vm
+                .text_table
+                .lookup_since(&store, &self.text_hashes, now, since);
             let chars_per_block = u64::from(CHARS_PER_TOKEN) * bs;
             for (slot, depth) in recent.holders {
                 let est = u64::from(depth) * u64::from(cfg.text.block_chars) / chars_per_block;
@@ -308,7 +301,9 @@ impl Http {
                 return;
             }
         };
-        let found = table(vm, cfg).lookup(&store, &self.text_hashes, host::now_ms());
+        let found = vm
+            .text_table
+            .lookup(&store, &self.text_hashes, host::now_ms());
         self.reads = found.reads;
         let matches: Vec<WorkerMatch> = found
             .holders
@@ -358,7 +353,9 @@ impl Http {
         };
         drop(cache);
         let slot = to.slot;
-        let rec = table(vm, cfg).record(&HostStore, &self.text_hashes, slot, now, CAS_RETRIES);
+        let rec = vm
+            .text_table
+            .record(&HostStore, &self.text_hashes, slot, now, CAS_RETRIES);
         host::increment_metric(vm.metrics.text.evictions, rec.evicted.into());
         host::increment_metric(vm.metrics.text.lost_writes, rec.lost.into());
         self.route(
