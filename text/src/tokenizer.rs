@@ -146,7 +146,7 @@ impl Tokenizer {
     /// Whether pieces are split by the automaton instead of `tokenizers`' backtracking regex
     /// (exact for this tokenizer; see the `pretokenize` module).
     pub fn splits_fast(&self) -> bool {
-        self.segmenter.is_some() && self.fast.is_some()
+        self.fast.is_some()
     }
 
     /// Encodes with `tokenizers` in one pass, no piece cache (tests compare the two).
