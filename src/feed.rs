@@ -52,6 +52,11 @@ use crate::codec::{put_str_varint, put_varint, CodecError, Reader};
 use crate::event::{Tier, WorkerId};
 use crate::scope::BlockKey;
 
+/// Response header of `/v1/feed?gateway=ID`: the gateway whose own load report the page's
+/// load totals leave out (that gateway adds its live books instead). Absent: the totals hold
+/// every gateway's report.
+pub const LOAD_EXCLUDES_HEADER: &str = "x-kvroute-load-excludes";
+
 /// The first four bytes of every page.
 pub const MAGIC: [u8; 4] = *b"KVRF";
 /// The format version this code reads and writes.

@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
+use kvroute::feed::LOAD_EXCLUDES_HEADER;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
@@ -359,10 +360,6 @@ pub struct FeedParams {
     /// the page's load totals, and the answer says so in [`LOAD_EXCLUDES_HEADER`].
     pub gateway: Option<String>,
 }
-
-/// Response header of `/v1/feed`: the gateway whose own report the page's load totals leave
-/// out. Absent: the totals hold every gateway's report.
-pub const LOAD_EXCLUDES_HEADER: &str = "x-kvroute-load-excludes";
 
 async fn feed(
     State(state): State<AppState>,

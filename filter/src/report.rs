@@ -128,10 +128,6 @@ pub fn send(vm: &Vm, now: u64) -> Option<(u32, Sent)> {
     }
 }
 
-/// The collector's `/v1/feed` response header naming the gateway whose own report its load
-/// totals leave out.
-pub const LOAD_EXCLUDES_HEADER: &str = "x-kvroute-load-excludes";
-
 /// Appends `s` to a URL query, percent-encoding every byte but RFC 3986's unreserved ones.
 pub fn push_url_encoded(out: &mut String, s: &str) {
     for b in s.bytes() {

@@ -126,7 +126,7 @@ impl Root {
         let now = host::now_ms();
         let excludes = host::get_header(
             MapType::HttpCallResponseHeaders,
-            crate::report::LOAD_EXCLUDES_HEADER,
+            kvroute::feed::LOAD_EXCLUDES_HEADER,
         );
         self.totals_exclude_own = excludes
             .is_some_and(|v| crate::report::gateway_id(vm).is_some_and(|id| v == id.as_bytes()));
