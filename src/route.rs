@@ -147,10 +147,11 @@ pub struct InstanceLoad {
 }
 
 impl InstanceLoad {
-    /// Adds one load-table entry (one worker slot or one instance).
+    /// Adds one load-table entry (one worker slot or one instance): its prefill backlog is
+    /// the work queued.
     pub fn add(&mut self, load: Load) {
         self.requests = self.requests.saturating_add(load.requests);
-        self.prefill_tokens += u64::from(load.prefill_tokens);
+        self.prefill_tokens += u64::from(load.backlog);
         self.decode_tokens += u64::from(load.decode_tokens);
     }
 
@@ -649,11 +650,11 @@ mod tests {
             },
         ];
         let load = |id: LoadId| {
-            InstanceLoad::of(Load {
-                requests: u32::from(id == LoadId::slot(0) || id == LoadId::slot(2)),
-                prefill_tokens: 16,
-                decode_tokens: 0,
-            })
+            InstanceLoad::of(Load::booked(
+                u32::from(id == LoadId::slot(0) || id == LoadId::slot(2)),
+                16,
+                0,
+            ))
         };
         let cs = roster.contenders(&matches, "default", "m", load, &Weights::default());
         assert_eq!((cs[0].dp_rank, cs[0].matched), (1, [5, 5, 5]));
@@ -863,9 +864,8 @@ mod tests {
             decode_tokens: 7,
         });
         l.add(Load {
-            requests: 1,
-            prefill_tokens: 5,
-            decode_tokens: 3,
+            backlog: 4,
+            ..Load::booked(1, 5, 3)
         });
         l.add_engine(EngineLoad {
             waiting: 3,
@@ -875,7 +875,11 @@ mod tests {
             waiting: 1,
             kv_usage: 0.9,
         });
-        assert_eq!((l.requests, l.prefill_tokens, l.decode_tokens), (3, 15, 10));
+        assert_eq!(
+            (l.requests, l.prefill_tokens, l.decode_tokens),
+            (3, 14, 10),
+            "the backlog counts"
+        );
         assert_eq!(
             l.engine,
             Some(EngineLoad {

@@ -5,7 +5,7 @@
 use kvroute::lookup::WorkerMatch;
 use kvroute::mirror::{
     self, spec_insert, spec_lookup, stored_depths, Depth, Fleet, Insert, LoadDelta, LoadId,
-    PrefixView, Store,
+    PrefixView, RateNote, Store,
 };
 use kvroute::route::{fleet_view, Counts, EngineLoad, InstanceLoad};
 
@@ -60,7 +60,7 @@ impl Picture {
         if self.fleet_counts {
             let mine = Counts {
                 requests: own.requests.into(),
-                prefill_tokens: own.prefill_tokens.into(),
+                prefill_tokens: own.backlog.into(),
                 decode_tokens: own.decode_tokens.into(),
             };
             let v = fleet_view(w.total, w.reported, mine);
@@ -90,6 +90,11 @@ pub(crate) struct Booked {
     pub decode: u32,
     /// The prefill tokens are still booked (no response bytes yet).
     pub prefill_open: bool,
+    /// When it was booked (host milliseconds).
+    pub at_ms: u64,
+    /// The engine had no prefill ahead of it by the books: its time to first bytes measures
+    /// the engine's prefill rate.
+    pub idle: bool,
 }
 
 fn update(vm: &VmRef, cfg: &Config, id: LoadId, delta: LoadDelta) -> bool {
@@ -109,18 +114,29 @@ fn update(vm: &VmRef, cfg: &Config, id: LoadId, delta: LoadDelta) -> bool {
     true
 }
 
-/// Books a routed request: one request, its uncached prefill and its decode budget.
-pub fn book(vm: &VmRef, cfg: &Config, id: LoadId, prefill: u32, decode: u32) -> Option<Booked> {
+/// Books a routed request: one request, its uncached prefill and its decode budget. `idle`:
+/// the decision saw no prefill ahead of it on that engine.
+pub fn book(
+    vm: &VmRef,
+    cfg: &Config,
+    id: LoadId,
+    prefill: u32,
+    decode: u32,
+    idle: bool,
+) -> Option<Booked> {
     let delta = LoadDelta {
         requests: 1,
         prefill_tokens: prefill.into(),
         decode_tokens: decode.into(),
+        rate: cfg.prefill_rate.map_or(RateNote::Keep, RateNote::Set),
     };
     update(vm, cfg, id, delta).then_some(Booked {
         id,
         prefill,
         decode,
         prefill_open: true,
+        at_ms: host::now_ms(),
+        idle,
     })
 }
 
@@ -132,8 +148,16 @@ pub fn release_prefill(vm: &VmRef, cfg: &Config, b: &mut Booked) {
     }
     b.prefill_open = false;
     if b.prefill > 0 {
+        // Learned only from requests that found the engine idle (see `mirror::rate_sample`).
+        let sample = match cfg.prefill_rate {
+            None if b.idle => {
+                mirror::rate_sample(b.prefill, host::now_ms().saturating_sub(b.at_ms))
+            }
+            _ => None,
+        };
         let delta = LoadDelta {
             prefill_tokens: -i64::from(b.prefill),
+            rate: sample.map_or(RateNote::Keep, RateNote::Sample),
             ..LoadDelta::default()
         };
         update(vm, cfg, b.id, delta);
@@ -150,6 +174,7 @@ pub fn release(vm: &VmRef, cfg: &Config, b: Booked) {
             0
         },
         decode_tokens: -i64::from(b.decode),
+        rate: RateNote::Keep,
     };
     update(vm, cfg, b.id, delta);
 }

@@ -183,6 +183,8 @@ struct RawLoad {
     max_kv_usage: f64,
     #[serde(default = "default_decode_tokens")]
     default_decode_tokens: u32,
+    #[serde(default)]
+    prefill_tokens_per_s: Option<u32>,
 }
 
 impl Default for RawLoad {
@@ -194,6 +196,7 @@ impl Default for RawLoad {
             max_waiting: default_max_waiting(),
             max_kv_usage: default_max_kv_usage(),
             default_decode_tokens: default_decode_tokens(),
+            prefill_tokens_per_s: None,
         }
     }
 }
@@ -438,6 +441,10 @@ pub struct Config {
     /// Decode tokens booked for a request without `max_tokens` / `max_completion_tokens`
     /// (JSON `load.default_decode_tokens`). Default 256.
     pub default_decode_tokens: u32,
+    /// Each engine's prefill rate, tokens per second, at which the booked prefill drains
+    /// (JSON `load.prefill_tokens_per_s`; 0 = no drain). Default: learned per engine from
+    /// requests that found it idle.
+    pub prefill_rate: Option<u32>,
     /// How long a routed request's blocks count as held by its engine before its KV events
     /// arrive (JSON `route.speculative_ttl_ms`; 0 = off). Default 2 s.
     pub speculative_ttl: Duration,
@@ -681,6 +688,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         gateway_id: raw.load.gateway_id,
         fleet: raw.load.fleet,
         default_decode_tokens: raw.load.default_decode_tokens,
+        prefill_rate: raw.load.prefill_tokens_per_s,
         speculative_ttl: Duration::from_millis(raw.route.speculative_ttl_ms),
         policy: Policy {
             weights,

@@ -135,6 +135,8 @@ pub(crate) struct Http {
     /// Load taken at routing: prefill released at the first response bytes, the rest in
     /// `on_log`.
     routed: Option<Booked>,
+    /// The decision saw no prefill ahead on the chosen engine (a rate sample when booked).
+    engine_idle: bool,
     /// The body's `max_completion_tokens` / `max_tokens`, when it has one.
     decode_budget: Option<u64>,
     callout: Option<u32>,
@@ -162,6 +164,7 @@ impl Http {
             salt: Res::Pending(0),
             outcome: None,
             routed: None,
+            engine_idle: false,
             decode_budget: None,
             callout: None,
             query_tokens: 0,
@@ -194,6 +197,7 @@ impl Http {
             salt: Res::Done(None),
             outcome: None,
             routed: None,
+            engine_idle: false,
             decode_budget: None,
             callout: None,
             query_tokens: 0,
@@ -476,6 +480,7 @@ impl Http {
             return Action::Continue;
         };
         drop(cache);
+        self.engine_idle = contenders[d.best].load.prefill_tokens == 0;
         let slot = to.slot;
         if spec {
             books::remember(vm, cfg, &view, spec_read, query_blocks as u32, slot, now);
@@ -535,7 +540,7 @@ impl Http {
             .decode_budget
             .unwrap_or(cfg.default_decode_tokens.into())
             .min(u32::MAX.into()) as u32;
-        self.routed = books::book(vm, cfg, load_id, prefill, decode);
+        self.routed = books::book(vm, cfg, load_id, prefill, decode, self.engine_idle);
         if self.query_tokens > 0 {
             host::record_metric(
                 vm.metrics.matched_ratio_pct,

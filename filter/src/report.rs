@@ -88,7 +88,8 @@ pub fn send(vm: &Vm, now: u64) -> Option<(u32, Sent)> {
                 slot,
                 Counts {
                     requests: l.requests.into(),
-                    prefill_tokens: l.prefill_tokens.into(),
+                    // What the engine has left to prefill by this gateway's estimate.
+                    prefill_tokens: l.backlog.into(),
                     decode_tokens: l.decode_tokens.into(),
                 },
             ))

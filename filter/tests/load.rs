@@ -3,6 +3,8 @@
 
 use kvroute::event::WorkerId;
 use kvroute::feed::{EngineSample, Op};
+use std::time::Duration;
+
 use serde_json::json;
 
 use crate::common::*;
@@ -225,4 +227,87 @@ fn speculative_entries_can_be_turned_off() {
     gw.respond(r1, kvroute_host_test::Response::ok("x"));
     let o = complete(&mut gw, "m", &tokens(5000, 64));
     assert!(debug(&o).contains("matched_tokens=0"), "{}", debug(&o));
+}
+
+/// The long prompt's engine, after `wait`, against a shorter prompt booked after it on the
+/// other engine: where does a small cold request go?
+fn after_a_drain(extra: serde_json::Value, wait: Duration) -> (String, String) {
+    let (mut gw, _feed) = setup(extra);
+    let long = gw
+        .request()
+        .json_body(&json!({"model": "m", "prompt": tokens(10_000, 4096), "max_tokens": 1}))
+        .hold_response()
+        .start();
+    let long_on = best(&gw.outcome(long)).unwrap_or("none").to_owned();
+    gw.advance(wait);
+    let short = gw
+        .request()
+        .json_body(&json!({"model": "m", "prompt": tokens(20_000, 2048), "max_tokens": 1}))
+        .hold_response()
+        .start();
+    assert_ne!(
+        best(&gw.outcome(short)),
+        Some(long_on.as_str()),
+        "the idle one"
+    );
+    let (_r, to) = hold(&mut gw, 30_000);
+    (long_on, to)
+}
+
+#[test]
+fn booked_prefill_drains_at_the_configured_rate() {
+    // 4,096 tokens at 1,000 tokens/s, 3.5 s later: 596 left, against the 2,048 just booked.
+    let rate = json!({"load": {"prefill_tokens_per_s": 1000}});
+    let (long_on, to) = after_a_drain(rate, Duration::from_millis(3500));
+    assert_eq!(to, long_on, "the nearly drained engine");
+    // Rate 0: no drain, 4,096 tokens still count in full.
+    let off = json!({"load": {"prefill_tokens_per_s": 0}});
+    let (long_on, to) = after_a_drain(off, Duration::from_millis(3500));
+    assert_ne!(to, long_on);
+    // Learned (the default): no request has measured a rate yet, so nothing drains.
+    let (long_on, to) = after_a_drain(json!({}), Duration::from_millis(3500));
+    assert_ne!(to, long_on);
+}
+
+#[test]
+fn the_prefill_rate_is_learned_from_requests_that_found_the_engine_idle() {
+    let (mut gw, _feed) = setup(json!({}));
+    let rate_of = |gw: &kvroute_host_test::Gateway, slot: u32| {
+        let table = gw
+            .shared_data(&keys().load())
+            .map(|(v, _)| v)
+            .unwrap_or_default();
+        kvroute::mirror::load_rate(&table, kvroute::mirror::LoadId::slot(slot))
+    };
+    // 8,192 tokens on an idle engine, first bytes 400 ms later: 20,480 tokens/s.
+    let r = gw
+        .request()
+        .json_body(&json!({"model": "m", "prompt": tokens(10_000, 8192), "max_tokens": 1}))
+        .hold_response()
+        .start();
+    let slot = u32::from(best(&gw.outcome(r)) == Some(B));
+    gw.advance(Duration::from_millis(400));
+    gw.respond(r, kvroute_host_test::Response::ok("x"));
+    assert_eq!(rate_of(&gw, slot), 20_480);
+    // A short prompt measures mostly overhead: no sample.
+    let r = gw
+        .request()
+        .json_body(&json!({"model": "m", "prompt": tokens(40_000, 64), "max_tokens": 1}))
+        .hold_response()
+        .start();
+    let slot2 = u32::from(best(&gw.outcome(r)) == Some(B));
+    gw.advance(Duration::from_millis(400));
+    gw.respond(r, kvroute_host_test::Response::ok("x"));
+    assert_eq!(rate_of(&gw, slot2), if slot2 == slot { 20_480 } else { 0 });
+    // A configured rate is not overwritten by samples.
+    let (mut gw, _feed) = setup(json!({"load": {"prefill_tokens_per_s": 5000}}));
+    let r = gw
+        .request()
+        .json_body(&json!({"model": "m", "prompt": tokens(10_000, 8192), "max_tokens": 1}))
+        .hold_response()
+        .start();
+    let slot = u32::from(best(&gw.outcome(r)) == Some(B));
+    gw.advance(Duration::from_millis(400));
+    gw.respond(r, kvroute_host_test::Response::ok("x"));
+    assert_eq!(rate_of(&gw, slot), 5000);
 }

@@ -115,7 +115,7 @@ pub struct RouteRequest<'a> {
 }
 
 /// Where a [`Route`] sends a request.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Decision {
     /// Base URL of the engine, e.g. `http://127.0.0.1:8001`.
     pub url: String,
@@ -125,6 +125,10 @@ pub struct Decision {
     pub slot: usize,
     /// Prompt tokens the router expected to be uncached (its prefill-load estimate).
     pub uncached_tokens: usize,
+    /// When the router booked it, in its own milliseconds, and whether it saw the engine's
+    /// prefill idle then (a router learning prefill rates reads them back).
+    pub booked_at_ms: u64,
+    pub idle: bool,
 }
 
 /// A boxed future, for the object-safe [`Route`].

@@ -72,6 +72,7 @@ impl Route for RoundRobin {
             dp_rank: None,
             slot,
             uncached_tokens: 0,
+            ..Decision::default()
         };
         Box::pin(async move { d })
     }

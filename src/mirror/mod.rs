@@ -50,7 +50,8 @@ pub use buckets::{BucketRef, BucketRows};
 pub use fleet::{read_fleet, update_fleet, Counts, Fleet, FleetWorker};
 pub use keys::{bucket_of, Keys, Limits, CAS_RETRIES, LAYOUT_VERSION};
 pub use load::{
-    load_add, load_clear_stale, load_entries, load_get, load_update, Load, LoadDelta, LoadId,
+    drain, learn_rate, load_add, load_clear_stale, load_entries, load_get, load_rate, load_update,
+    rate_sample, Load, LoadDelta, LoadId, RateNote, RATE_SAMPLE_MIN_TOKENS,
 };
 pub use meta::{Alias, ApplyStats, Meta, WorkerSlot};
 pub use speculative::{spec_entry, spec_insert, spec_lookup, stored_depths, Insert, PROBE};

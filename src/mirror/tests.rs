@@ -301,15 +301,12 @@ fn delta(requests: i32, prefill_tokens: i64, decode_tokens: i64) -> LoadDelta {
         requests,
         prefill_tokens,
         decode_tokens,
+        rate: RateNote::Keep,
     }
 }
 
 fn counts(requests: u32, prefill_tokens: u32, decode_tokens: u32) -> Load {
-    Load {
-        requests,
-        prefill_tokens,
-        decode_tokens,
-    }
+    Load::booked(requests, prefill_tokens, decode_tokens)
 }
 
 #[test]
@@ -378,7 +375,7 @@ fn load_counts_saturate_and_expire() {
     .unwrap();
     let t = store.get(&keys.load()).unwrap().0.unwrap();
     assert_eq!(load_get(&t, LoadId::slot(2), 30, 1000), Load::default());
-    assert_eq!(t.len(), 1 + 8 * 32, "eight entries of 32 bytes");
+    assert_eq!(t.len(), 1 + 8 * 40, "eight entries of 40 bytes");
     assert_eq!(LoadId::instance("x").as_slot(), None);
 }
 
@@ -398,6 +395,67 @@ fn an_old_load_table_is_rebuilt_not_misread() {
         1000
     ));
     assert_eq!(load_get(&old, LoadId::slot(1), 0, 1000), counts(1, 2, 3));
+}
+
+#[test]
+fn the_backlog_drains_at_the_rate_and_never_exceeds_the_booked_prefill() {
+    let mut t = Vec::new();
+    let id = LoadId::slot(1);
+    let set = |r| LoadDelta {
+        rate: RateNote::Set(r),
+        ..delta(1, 10_000, 0)
+    };
+    // 10,000 tokens at 1,000 tokens/s, booked at 0 ms.
+    assert!(load_add(&mut t, 8, id, set(1000), 0, 60_000));
+    assert_eq!(load_get(&t, id, 0, 60_000).backlog, 10_000);
+    let l = load_get(&t, id, 4_000, 60_000);
+    assert_eq!(
+        (l.prefill_tokens, l.backlog),
+        (10_000, 6_000),
+        "4 s drained 4,000"
+    );
+    // A second request joins the end of what is left.
+    assert!(load_add(&mut t, 8, id, delta(1, 5_000, 0), 4_000, 60_000));
+    assert_eq!(load_get(&t, id, 4_000, 60_000).backlog, 11_000);
+    assert_eq!(load_get(&t, id, 9_000, 60_000).backlog, 6_000);
+    // The first one's first bytes (late: the engine is slower than the rate): what is left
+    // can be no more than the second request's 5,000.
+    assert!(load_add(&mut t, 8, id, delta(0, -10_000, 0), 9_000, 60_000));
+    let l = load_get(&t, id, 9_000, 60_000);
+    assert_eq!((l.prefill_tokens, l.backlog), (5_000, 5_000));
+    assert_eq!(load_get(&t, id, 20_000, 60_000).backlog, 0, "drained empty");
+    assert_eq!(load_get(&t, id, 20_000, 60_000).prefill_tokens, 5_000);
+    // Rate 0: no drain.
+    assert!(load_add(&mut t, 8, id, set(0), 20_000, 60_000));
+    assert_eq!(load_get(&t, id, 50_000, 60_000).backlog, 10_000);
+    assert_eq!(load_rate(&t, id), 0);
+}
+
+#[test]
+fn the_rate_is_learned_from_samples_and_survives_a_cleared_entry() {
+    let mut t = Vec::new();
+    let id = LoadId::slot(3);
+    let sample = |s| LoadDelta {
+        rate: RateNote::Sample(s),
+        ..LoadDelta::default()
+    };
+    assert!(load_add(&mut t, 8, id, delta(1, 100, 0), 0, 10_000));
+    assert!(load_add(&mut t, 8, id, sample(8_000), 10, 10_000));
+    assert_eq!(load_rate(&t, id), 8_000, "the first sample is the rate");
+    assert!(load_add(&mut t, 8, id, sample(4_000), 20, 10_000));
+    assert_eq!(load_rate(&t, id), 7_000, "then a quarter weight each");
+    assert!(load_clear_stale(&mut t, id, 500));
+    assert_eq!(load_rate(&t, id), 7_000);
+    assert_eq!(drain(1_000, 7_000, 100), 300);
+    assert_eq!(drain(1_000, u32::MAX, u64::MAX), 0);
+    assert_eq!(learn_rate(0, 5), 5);
+    assert_eq!(rate_sample(RATE_SAMPLE_MIN_TOKENS, 0), None);
+    assert_eq!(
+        rate_sample(RATE_SAMPLE_MIN_TOKENS - 1, 10),
+        None,
+        "mostly overhead"
+    );
+    assert_eq!(rate_sample(8_000, 400), Some(20_000));
 }
 
 #[test]

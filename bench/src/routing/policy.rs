@@ -6,7 +6,9 @@
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::time::Instant;
 
+use kvroute::mirror::{self, LoadDelta, LoadId, RateNote};
 use kvroute::select::{self, Candidate, SplitMix64, Weights};
 use serde_json::json;
 
@@ -21,32 +23,83 @@ pub struct Slot {
     pub instance_id: String,
 }
 
-/// Load the router itself has in flight per engine (what a gateway can count).
+/// Load the router itself has in flight per engine (what a gateway can count), kept in the
+/// core's load table as the filter keeps it: requests, booked prefill released at the first
+/// token, and the prefill backlog drained at a rate learned from requests that found their
+/// engine idle.
 #[derive(Debug)]
 struct Load {
-    requests: Vec<AtomicUsize>,
-    prefill_tokens: Vec<AtomicU64>,
+    table: Mutex<Vec<u8>>,
+    capacity: u32,
+    start: Instant,
 }
+
+/// Longer than any benchmark run: the in-process books never leak.
+const LOAD_TTL_MS: u64 = 24 * 3600 * 1000;
 
 impl Load {
     fn new(n: usize) -> Load {
         Load {
-            requests: (0..n).map(|_| AtomicUsize::new(0)).collect(),
-            prefill_tokens: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            table: Mutex::new(Vec::new()),
+            capacity: n.max(1) as u32,
+            start: Instant::now(),
         }
     }
 
-    fn add(&self, slot: usize, uncached: usize) {
-        self.requests[slot].fetch_add(1, Ordering::Relaxed);
-        self.prefill_tokens[slot].fetch_add(uncached as u64, Ordering::Relaxed);
+    fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
     }
 
-    fn first_token(&self, slot: usize, uncached: usize) {
-        self.prefill_tokens[slot].fetch_sub(uncached as u64, Ordering::Relaxed);
+    fn get(&self, slot: usize) -> mirror::Load {
+        let t = self.table.lock().expect("load table");
+        mirror::load_get(&t, LoadId::slot(slot as u32), self.now_ms(), LOAD_TTL_MS)
+    }
+
+    fn change(&self, slot: usize, delta: LoadDelta) {
+        let mut t = self.table.lock().expect("load table");
+        let id = LoadId::slot(slot as u32);
+        mirror::load_add(&mut t, self.capacity, id, delta, self.now_ms(), LOAD_TTL_MS);
+    }
+
+    /// Books a request; returns when, and whether the engine's prefill was idle.
+    fn add(&self, slot: usize, uncached: usize) -> (u64, bool) {
+        let idle = self.get(slot).backlog == 0;
+        self.change(
+            slot,
+            LoadDelta {
+                requests: 1,
+                prefill_tokens: uncached as i64,
+                ..LoadDelta::default()
+            },
+        );
+        (self.now_ms(), idle)
+    }
+
+    fn first_token(&self, d: &Decision) {
+        let sample = d.idle.then(|| {
+            mirror::rate_sample(
+                d.uncached_tokens.min(u32::MAX as usize) as u32,
+                self.now_ms().saturating_sub(d.booked_at_ms),
+            )
+        });
+        self.change(
+            d.slot,
+            LoadDelta {
+                prefill_tokens: -(d.uncached_tokens as i64),
+                rate: sample.flatten().map_or(RateNote::Keep, RateNote::Sample),
+                ..LoadDelta::default()
+            },
+        );
     }
 
     fn done(&self, slot: usize) {
-        self.requests[slot].fetch_sub(1, Ordering::Relaxed);
+        self.change(
+            slot,
+            LoadDelta {
+                requests: -1,
+                ..LoadDelta::default()
+            },
+        );
     }
 }
 
@@ -74,6 +127,7 @@ impl Route for RoundRobin {
             dp_rank: None,
             slot,
             uncached_tokens: 0,
+            ..Decision::default()
         };
         Box::pin(async move { d })
     }
@@ -100,11 +154,8 @@ impl LeastRequest {
 
 impl Route for LeastRequest {
     fn route<'a>(&'a self, _req: RouteRequest<'a>) -> BoxFuture<'a, Decision> {
-        let loads: Vec<usize> = self
-            .load
-            .requests
-            .iter()
-            .map(|a| a.load(Ordering::Relaxed))
+        let loads: Vec<u32> = (0..self.slots.len())
+            .map(|i| self.load.get(i).requests)
             .collect();
         let min = loads.iter().copied().min().unwrap_or(0);
         let ties: Vec<usize> = (0..loads.len()).filter(|&i| loads[i] == min).collect();
@@ -116,6 +167,7 @@ impl Route for LeastRequest {
             dp_rank: None,
             slot,
             uncached_tokens: 0,
+            ..Decision::default()
         };
         Box::pin(async move { d })
     }
@@ -265,11 +317,14 @@ impl Route for KvAware {
             let candidates: Vec<Candidate> = matches
                 .iter()
                 .enumerate()
-                .map(|(i, (m, rank))| Candidate {
-                    matched: *m,
-                    dp_rank: *rank,
-                    in_flight_requests: self.load.requests[i].load(Ordering::Relaxed) as u32,
-                    in_flight_prefill_tokens: self.load.prefill_tokens[i].load(Ordering::Relaxed),
+                .map(|(i, (m, rank))| {
+                    let l = self.load.get(i);
+                    Candidate {
+                        matched: *m,
+                        dp_rank: *rank,
+                        in_flight_requests: l.requests,
+                        in_flight_prefill_tokens: l.backlog.into(),
+                    }
                 })
                 .collect();
             let (slot, rank) = if self.choice == Choice::LongestPrefix {
@@ -309,17 +364,19 @@ impl Route for KvAware {
             };
             let matched_tokens = matches[slot].0[2] as usize * self.block_size as usize;
             let uncached = req.tokens.len().saturating_sub(matched_tokens);
-            self.load.add(slot, uncached);
+            let (booked_at_ms, idle) = self.load.add(slot, uncached);
             Decision {
                 url: self.slots[slot].url.clone(),
                 dp_rank: rank,
                 slot,
                 uncached_tokens: uncached,
+                booked_at_ms,
+                idle,
             }
         })
     }
     fn on_first_token(&self, d: &Decision) {
-        self.load.first_token(d.slot, d.uncached_tokens);
+        self.load.first_token(d);
     }
     fn on_done(&self, d: &Decision) {
         self.load.done(d.slot);
@@ -359,6 +416,7 @@ impl Route for Alternate {
             dp_rank: None,
             slot: i,
             uncached_tokens: 0,
+            ..Decision::default()
         };
         Box::pin(async move { d })
     }

@@ -352,6 +352,7 @@ impl Http {
             return;
         };
         drop(cache);
+        self.engine_idle = contenders[d.best].load.prefill_tokens == 0;
         let slot = to.slot;
         let rec = vm
             .text_table
