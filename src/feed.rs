@@ -57,6 +57,11 @@ use crate::scope::BlockKey;
 /// every gateway's report.
 pub const LOAD_EXCLUDES_HEADER: &str = "x-kvroute-load-excludes";
 
+/// Response header of `/v1/feed?gateway=ID`: `index/count`, the reading gateway's place among
+/// the live gateway replicas (ids in byte order, the reader counted even before its first
+/// report). Replicas use it to prefer disjoint shares of the engines ([`crate::route`]).
+pub const REPLICA_HEADER: &str = "x-kvroute-replica";
+
 /// The first four bytes of every page.
 pub const MAGIC: [u8; 4] = *b"KVRF";
 /// The format version this code reads and writes.

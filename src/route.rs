@@ -36,6 +36,13 @@
 //! - **Temperature** ([`Policy::temperature`], off by default): the winner is drawn among the
 //!   contenders with odds that fall with their cost's distance from the cheapest, so gateway
 //!   replicas deciding on the same slightly stale load do not all pick the same engine.
+//! - **Replica affinity** ([`Policy::replica_spread_tokens`], [`Replica`]): with `n` gateway
+//!   replicas, replica `i` counts every eligible instance but its own share (the `k`-th
+//!   eligible one in the shared instance order is replica `k mod n`'s) as that many tokens
+//!   busier. A replica learns of the others' bookings only through the collector, one or two
+//!   sync periods late; on near-ties the replicas would pick the same engine in that window,
+//!   and with affinity they pick different ones. A difference in load or a cache hit larger
+//!   than the spread still crosses over.
 //!
 //! The load a contender carries comes from [`fleet_view`] when the caller knows the fleet's
 //! totals: what every gateway reported, minus this gateway's own last report (already in the
@@ -43,7 +50,7 @@
 
 use crate::api::QueryResponse;
 use crate::lookup::WorkerMatch;
-pub use crate::mirror::Counts;
+pub use crate::mirror::{Counts, Replica};
 use crate::mirror::{Load, LoadId, Meta};
 use crate::select::{self, Candidate, Random, Weights};
 
@@ -76,7 +83,16 @@ pub struct Policy {
     /// ([`select::sample`]): gateway replicas deciding on the same slightly stale load spread
     /// their picks.
     pub temperature: f64,
+    /// Tokens of prefill an instance outside this replica's share counts as carrying (see
+    /// the module docs); 0: no affinity.
+    pub replica_spread_tokens: u64,
+    /// Which gateway replica decides, out of how many (the collector's count of live ones).
+    pub replica: Replica,
 }
+
+/// Default [`Policy::replica_spread_tokens`]: ~0.1 s of prefill on one H100 serving an 8B
+/// model, chosen with `make bench-routing` (README: two gateway replicas).
+pub const REPLICA_SPREAD_TOKENS: u64 = 2048;
 
 impl Default for Policy {
     fn default() -> Self {
@@ -91,6 +107,8 @@ impl Default for Policy {
             // and in the hot-prefix burst gave p90 1.52 s against 1.07 s unbounded.
             max_hit_queue_tokens: None,
             temperature: 0.0,
+            replica_spread_tokens: REPLICA_SPREAD_TOKENS,
+            replica: Replica::default(),
         }
     }
 }
@@ -282,21 +300,26 @@ pub fn decide(
         .filter(|(_, c)| competes(c))
         .map(|(_, c)| c.load.prefill_tokens)
         .min()?;
-    let costs = eligible().filter(|(_, c)| competes(c)).map(|(i, c)| {
-        let over_guard = policy
-            .max_hit_queue_tokens
-            .is_some_and(|m| c.load.prefill_tokens - least_queue > m);
-        let cand = Candidate {
-            matched: if over_guard { [0; 3] } else { c.matched },
-            dp_rank: c.dp_rank,
-            in_flight_requests: c.load.requests,
-            in_flight_prefill_tokens: c.load.prefill_tokens,
-        };
-        (
-            i,
-            select::cost(&cand, query.blocks, query.block_size, &policy.weights),
-        )
-    });
+    let spread = policy.replica_spread_tokens as f64 / f64::from(query.block_size.max(1));
+    let costs = eligible()
+        .enumerate()
+        .filter(|(_, (_, c))| competes(c))
+        .map(|(k, (i, c))| {
+            let over_guard = policy
+                .max_hit_queue_tokens
+                .is_some_and(|m| c.load.prefill_tokens - least_queue > m);
+            let cand = Candidate {
+                matched: if over_guard { [0; 3] } else { c.matched },
+                dp_rank: c.dp_rank,
+                in_flight_requests: c.load.requests,
+                in_flight_prefill_tokens: c.load.prefill_tokens,
+            };
+            let away = if policy.replica.owns(k) { 0.0 } else { spread };
+            (
+                i,
+                select::cost(&cand, query.blocks, query.block_size, &policy.weights) + away,
+            )
+        });
     let (best, runner_up) = select::sample(costs, policy.temperature, rng)?;
     let c = contenders.get(best)?;
     Some(Decision {
@@ -734,6 +757,59 @@ mod tests {
         let mut warm = cs;
         warm[0].offer(0, [16; 3], &Weights::default());
         assert_eq!(with_policy(&warm, &defer).unwrap().best, 0);
+    }
+
+    #[test]
+    fn each_replica_prefers_its_share_until_load_or_a_hit_outweighs_it() {
+        let of = |index, count| Policy {
+            replica: Replica { index, count },
+            ..Policy::default()
+        };
+        // Four eligible idle instances and an ineligible one in the middle (not counted).
+        let mut cs = [idle(0), idle(0), idle(0), idle(0), idle(0)];
+        cs[2].eligible = false;
+        let mut chosen = [Vec::new(), Vec::new()];
+        for (r, seen) in chosen.iter_mut().enumerate() {
+            for seed in 0..40 {
+                let d = decide(&cs, Q, &of(r as u32, 2), &mut SplitMix64(seed)).unwrap();
+                if !seen.contains(&d.best) {
+                    seen.push(d.best);
+                }
+            }
+            seen.sort();
+        }
+        assert_eq!(chosen, [vec![0, 3], vec![1, 4]], "eligible 0, 2 | 1, 3");
+        // Alone (or affinity off), every idle instance is a candidate.
+        let alone: Vec<usize> = (0..40)
+            .map(|s| decide(&cs, Q, &of(0, 1), &mut SplitMix64(s)).unwrap().best)
+            .collect();
+        assert!([0, 1, 3, 4].iter().all(|i| alone.contains(i)), "{alone:?}");
+        // Own share loaded by more than the spread (2,048 tokens): the other share wins.
+        let busy = [loaded(0, 1, 4096), loaded(0, 0, 0)];
+        assert_eq!(with_policy(&busy, &of(0, 2)).unwrap().best, 1);
+        // Loaded by less: affinity keeps it home.
+        let near = [loaded(0, 1, 1024), loaded(0, 0, 0)];
+        assert_eq!(with_policy(&near, &of(0, 2)).unwrap().best, 0);
+        // A hit of 10 blocks (160 tokens) in the other share does not beat 2,048 tokens ...
+        assert_eq!(
+            with_policy(&[idle(0), idle(10)], &of(0, 2)).unwrap().best,
+            0
+        );
+        // ... but with a longer prompt a long hit does (160 of 256 blocks: 2,560 tokens).
+        let long = Query {
+            blocks: 256,
+            block_size: 16,
+        };
+        let d = decide(&[idle(0), idle(160)], long, &of(0, 2), &mut SplitMix64(1)).unwrap();
+        assert_eq!(d.best, 1);
+        let off = Policy {
+            replica_spread_tokens: 0,
+            ..of(0, 2)
+        };
+        assert_eq!(with_policy(&[idle(0), idle(10)], &off).unwrap().best, 1);
+        assert_eq!(Replica::parse("1/2"), Some(Replica { index: 1, count: 2 }));
+        assert_eq!(Replica::parse("2/2"), None);
+        assert_eq!(Replica::parse("x"), None);
     }
 
     #[test]

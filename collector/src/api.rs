@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use kvroute::feed::LOAD_EXCLUDES_HEADER;
+use kvroute::feed::{LOAD_EXCLUDES_HEADER, REPLICA_HEADER};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
@@ -425,8 +425,14 @@ async fn feed(
         bytes,
     )
         .into_response();
-    if let Some(v) = reader.and_then(|r| HeaderValue::from_str(r.as_str()).ok()) {
-        resp.headers_mut().insert(LOAD_EXCLUDES_HEADER, v);
+    if let Some(r) = reader {
+        let (index, count) = state.fleet().replica_of(&r, Instant::now());
+        if let Ok(v) = HeaderValue::from_str(&format!("{index}/{count}")) {
+            resp.headers_mut().insert(REPLICA_HEADER, v);
+        }
+        if let Ok(v) = HeaderValue::from_str(r.as_str()) {
+            resp.headers_mut().insert(LOAD_EXCLUDES_HEADER, v);
+        }
     }
     Ok(resp)
 }

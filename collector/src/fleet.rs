@@ -304,6 +304,21 @@ impl Fleet {
         out
     }
 
+    /// `reader`'s place among the live gateways and itself, ids in byte order:
+    /// `(index, count)`.
+    pub fn replica_of(&self, reader: &GatewayId, now: Instant) -> (usize, usize) {
+        let mut ids: Vec<&GatewayId> = self
+            .gateways
+            .iter()
+            .filter(|(id, g)| *id != reader && self.live(g, now))
+            .map(|(id, _)| id)
+            .collect();
+        ids.push(reader);
+        ids.sort();
+        let index = ids.iter().position(|id| *id == reader).unwrap_or(0);
+        (index, ids.len())
+    }
+
     fn live(&self, g: &GatewayLoad, now: Instant) -> bool {
         now.saturating_duration_since(g.at) <= self.config.gateway_timeout
     }
@@ -474,6 +489,32 @@ mod tests {
         assert_eq!(f.gateways(later), 0);
         assert!(f.totals(later).is_empty());
         assert_eq!(f.expire(later), 1);
+    }
+
+    #[test]
+    fn replicas_are_numbered_by_id_among_the_live_ones() {
+        let mut f = Fleet::new(FleetConfig {
+            gateway_timeout: Duration::from_secs(1),
+            ..FleetConfig::default()
+        });
+        let t = Instant::now();
+        let id = |s: &str| GatewayId::new(s).unwrap();
+        assert_eq!(f.replica_of(&id("b"), t), (0, 1), "alone before any report");
+        for g in ["c", "a"] {
+            f.report(&report(g, 1, &[]), 1, known, 4, t).unwrap();
+        }
+        assert_eq!(
+            f.replica_of(&id("b"), t),
+            (1, 3),
+            "counted before its first report"
+        );
+        f.report(&report("b", 1, &[]), 1, known, 4, t).unwrap();
+        assert_eq!(f.replica_of(&id("b"), t), (1, 3));
+        assert_eq!(f.replica_of(&id("c"), t), (2, 3));
+        // b keeps reporting, a and c fall silent.
+        let later = t + Duration::from_millis(1500);
+        f.report(&report("b", 1, &[]), 1, known, 4, later).unwrap();
+        assert_eq!(f.replica_of(&id("b"), later), (0, 1));
     }
 
     #[test]

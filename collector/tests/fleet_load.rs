@@ -282,6 +282,23 @@ fn fleet_flags_have_defaults_and_are_validated() {
     }
 }
 
+/// A `/v1/feed` answer's headers `x-kvroute-load-excludes` and `x-kvroute-replica`.
+async fn feed_headers(c: &Collector, query: &str) -> (Option<String>, Option<String>) {
+    let r = c
+        .http
+        .get(format!("{}/v1/feed{query}", c.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let h = |name: &str| {
+        r.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    (h("x-kvroute-load-excludes"), h("x-kvroute-replica"))
+}
+
 /// The `Load` ops of a `/v1/feed` page, by worker: `(requests, prefill_tokens)`.
 async fn feed_load(c: &Collector, query: &str) -> (Option<String>, Vec<(u32, u64, u64)>) {
     let r = c
@@ -334,6 +351,16 @@ async fn a_gateway_reads_the_feed_totals_without_its_own_report() {
     assert_eq!(mine, vec![(a, 3, 50), (b, 1, 7)]);
     // A gateway that never reported reads everything; a bad id is a 400 with JSON.
     assert_eq!(feed_load(&c, "?gateway=gw-3").await.1, all);
+    // Each reader is told its place among the live replicas (itself counted): ids in byte
+    // order, "gw-2" < "gw-3" < "gw/1".
+    let replica = |q: &'static str| {
+        let c = &c;
+        async move { feed_headers(c, q).await.1 }
+    };
+    assert_eq!(replica("?gateway=gw-2").await.as_deref(), Some("0/2"));
+    assert_eq!(replica("?gateway=gw%2F1").await.as_deref(), Some("1/2"));
+    assert_eq!(replica("?gateway=gw-3").await.as_deref(), Some("1/3"));
+    assert_eq!(replica("").await, None, "no reader, no place");
     let long = "g".repeat(200);
     let r = c
         .http

@@ -7,7 +7,7 @@ use kvroute::mirror::{
     self, spec_insert, spec_lookup, stored_depths, Depth, Fleet, Insert, LoadDelta, LoadId,
     PrefixView, RateNote, Store,
 };
-use kvroute::route::{fleet_view, Counts, EngineLoad, InstanceLoad};
+use kvroute::route::{fleet_view, Counts, EngineLoad, InstanceLoad, Policy, Replica};
 
 use crate::config::{millis, Config};
 use crate::host::{self, HostStore};
@@ -45,6 +45,19 @@ impl Picture {
             now,
             ttl: millis(cfg.load_ttl),
             fresh_ms,
+        }
+    }
+
+    /// The decision's policy: the configured one, with this gateway's place among the live
+    /// replicas when it shares the fleet's load (otherwise it decides alone).
+    pub fn policy(&self, cfg: &Config) -> Policy {
+        let replica = match &self.fleet {
+            Some(f) if self.fleet_counts => f.replica,
+            _ => Replica::default(),
+        };
+        Policy {
+            replica,
+            ..cfg.policy
         }
     }
 

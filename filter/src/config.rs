@@ -219,6 +219,8 @@ struct RawRoute {
     max_hit_queue_tokens: Option<u64>,
     #[serde(default)]
     temperature: f64,
+    #[serde(default = "default_replica_spread_tokens")]
+    replica_spread_tokens: u64,
 }
 
 impl Default for RawRoute {
@@ -228,10 +230,18 @@ impl Default for RawRoute {
             speculative_ttl_ms: default_speculative_ttl(),
             max_hit_queue_tokens: default_max_hit_queue_tokens(),
             temperature: Policy::default().temperature,
+            replica_spread_tokens: default_replica_spread_tokens(),
         }
     }
 }
 
+/// Past a million tokens of spread, no load difference or cache hit could cross over: the
+/// replicas would split the fleet for good.
+const MAX_REPLICA_SPREAD_TOKENS: u64 = 1_000_000;
+
+fn default_replica_spread_tokens() -> u64 {
+    Policy::default().replica_spread_tokens
+}
 fn default_true() -> bool {
     true
 }
@@ -594,6 +604,12 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     if !(0.0..=10.0).contains(&raw.route.temperature) {
         return Err(err("route.temperature", "must be between 0 and 10"));
     }
+    if raw.route.replica_spread_tokens > MAX_REPLICA_SPREAD_TOKENS {
+        return Err(err(
+            "route.replica_spread_tokens",
+            "must be at most 1000000 (0 turns replica affinity off)",
+        ));
+    }
     if raw
         .load
         .gateway_id
@@ -700,6 +716,8 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             max_kv_usage: raw.load.max_kv_usage as f32,
             max_hit_queue_tokens: raw.route.max_hit_queue_tokens,
             temperature: raw.route.temperature,
+            replica_spread_tokens: raw.route.replica_spread_tokens,
+            ..Policy::default()
         },
         weights,
         text,
@@ -899,14 +917,17 @@ mod tests {
         assert!(c.fleet);
         assert_eq!(c.gateway_id, None);
         assert_eq!(c.default_decode_tokens, 256);
+        assert_eq!(c.prefill_rate, None, "learned");
         assert_eq!(millis(c.speculative_ttl), 2000);
         assert!(c.body_field("max_tokens").is_some());
         let c = parse(
             br#"{"collector": {"cluster": "c"},
                  "load": {"gateway_id": "gw-1", "fleet": false, "max_waiting": 3,
-                          "max_kv_usage": 0.5, "default_decode_tokens": 64},
+                          "max_kv_usage": 0.5, "default_decode_tokens": 64,
+                          "prefill_tokens_per_s": 9000},
                  "route": {"cold": "defer", "speculative_ttl_ms": 0,
-                           "max_hit_queue_tokens": null, "temperature": 0.2}}"#,
+                           "max_hit_queue_tokens": null, "temperature": 0.2,
+                           "replica_spread_tokens": 0}}"#,
         )
         .unwrap();
         assert_eq!(c.gateway_id.as_deref(), Some("gw-1"));
@@ -915,6 +936,8 @@ mod tests {
         assert_eq!(c.policy.cold, Cold::Defer);
         assert_eq!(c.policy.max_hit_queue_tokens, None);
         assert_eq!(c.policy.temperature, 0.2);
+        assert_eq!(c.policy.replica_spread_tokens, 0);
+        assert_eq!(c.prefill_rate, Some(9000));
         assert_eq!(c.default_decode_tokens, 64);
         for (bad, key) in [
             (r#""load": {"max_kv_usage": 1.5}"#, "load.max_kv_usage"),
@@ -922,6 +945,14 @@ mod tests {
             (r#""route": {"cold": "maybe"}"#, "route.cold"),
             (r#""route": {"temperature": -1}"#, "route.temperature"),
             (r#""route": {"temperature": 11}"#, "route.temperature"),
+            (
+                r#""route": {"replica_spread_tokens": 1000001}"#,
+                "route.replica_spread_tokens",
+            ),
+            (
+                r#""load": {"prefill_tokens_per_s": -1}"#,
+                "load.prefill_tokens_per_s",
+            ),
         ] {
             let json = format!(r#"{{"collector": {{"cluster": "c"}}, {bad}}}"#);
             let e = parse(json.as_bytes()).unwrap_err();

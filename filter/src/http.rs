@@ -153,30 +153,15 @@ impl Http {
     pub fn new(vm: VmRef, id: u32) -> Http {
         Http {
             vm: Some(vm),
-            cfg: None,
-            id,
             phase: Phase::Headers,
-            body_possible: false,
-            wrong_content_type: false,
             tokens: Res::Pending(0),
             model: Res::Pending(0),
             tenant: Res::Pending(0),
             salt: Res::Pending(0),
-            outcome: None,
-            routed: None,
-            engine_idle: false,
-            decode_budget: None,
-            callout: None,
-            query_tokens: 0,
-            matched_tokens: 0,
-            reads: 0,
-            text: None,
-            text_hashes: Vec::new(),
-            text_path: None,
+            ..Http::new_empty(id)
         }
     }
 
-    /// A context of a VM without a configuration (it never routes).
     pub fn passthrough(id: u32) -> Http {
         let mut h = Http::new_empty(id);
         h.phase = Phase::Done;
@@ -467,7 +452,7 @@ impl Http {
             block_size,
         };
         let decision = match vm.rng.try_borrow_mut() {
-            Ok(mut rng) => route::decide(&contenders, query, &cfg.policy, &mut *rng),
+            Ok(mut rng) => route::decide(&contenders, query, &picture.policy(cfg), &mut *rng),
             Err(_) => None,
         };
         let Some((d, to)) = decision.and_then(|d| Target::of(&cache.roster, &d).map(|t| (d, t)))

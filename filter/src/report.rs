@@ -4,7 +4,7 @@
 //! repairs leaked counts of engines that say they are idle.
 
 use kvroute::feed::Page;
-use kvroute::mirror::{self, Counts, LoadId, Store};
+use kvroute::mirror::{self, Counts, LoadId, Replica, Store};
 use proxy_wasm::types::MapType;
 use serde::Serialize;
 
@@ -173,13 +173,15 @@ pub fn on_answer(vm: &Vm, num_headers: usize, sent: &[(u32, Counts)], keep_share
 /// Stores a page's fleet totals, then clears this Envoy's books of engines idle for two
 /// samples while the books still hold work for them.
 /// `excludes_own`: the totals leave this gateway's report out, so no share of them is ours.
-pub fn take_fleet(vm: &Vm, page: &Page, now: u64, excludes_own: bool) {
+/// `replica`: this gateway's place among the live replicas, from the same answer.
+pub fn take_fleet(vm: &Vm, page: &Page, now: u64, excludes_own: bool, replica: Replica) {
     let max = vm.config().limits.max_workers;
     let mut idle = Vec::new();
     let r = mirror::update_fleet(&HostStore, &vm.keys, |f| {
         if !f.apply_ops(&page.ops, max, now) {
             return false;
         }
+        f.replica = replica;
         if excludes_own {
             f.set_reported(&[], max);
         }

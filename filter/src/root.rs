@@ -130,7 +130,14 @@ impl Root {
         );
         self.totals_exclude_own = excludes
             .is_some_and(|v| crate::report::gateway_id(vm).is_some_and(|id| v == id.as_bytes()));
-        crate::report::take_fleet(vm, &page, now, self.totals_exclude_own);
+        let replica = host::get_header(
+            MapType::HttpCallResponseHeaders,
+            kvroute::feed::REPLICA_HEADER,
+        )
+        .and_then(|v| String::from_utf8(v).ok())
+        .and_then(|v| kvroute::route::Replica::parse(&v))
+        .unwrap_or_default();
+        crate::report::take_fleet(vm, &page, now, self.totals_exclude_own, replica);
         match mirror::apply_page(&HostStore, &vm.keys, &cfg.limits, &page, now) {
             Ok(applied) => {
                 self.blocks_this_tick += applied.stats.blocks;

@@ -118,6 +118,8 @@ struct FeedState {
     query: Option<QueryHandler>,
     /// Bodies of the `/query` callouts received.
     queries: Vec<serde_json::Value>,
+    /// `x-kvroute-replica` of every feed answer, when set.
+    replica: Option<String>,
 }
 
 /// A collector double that speaks `/v1/feed`.
@@ -198,7 +200,15 @@ impl FakeCollector {
         if let Some(r) = reader {
             resp = resp.header("x-kvroute-load-excludes", &r);
         }
+        if let Some(r) = &s.replica {
+            resp = resp.header("x-kvroute-replica", r);
+        }
         CalloutReply::Response(resp)
+    }
+
+    /// Answers every feed pull with `x-kvroute-replica: {replica}` (`index/count`).
+    pub fn set_replica(&self, replica: &str) {
+        self.state.lock().unwrap().replica = Some(replica.to_owned());
     }
 
     /// Serves `Load` ops summed from the gateways' reports (see `sum_reports`).

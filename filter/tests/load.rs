@@ -311,3 +311,35 @@ fn the_prefill_rate_is_learned_from_requests_that_found_the_engine_idle() {
     gw.respond(r, kvroute_host_test::Response::ok("x"));
     assert_eq!(rate_of(&gw, slot), 5000);
 }
+
+#[test]
+fn each_gateway_replica_prefers_its_share_of_the_engines() {
+    // Where do eight cold requests go (each finished before the next), as replica `replica`?
+    let spread = |extra: serde_json::Value, replica: &str| {
+        let (mut gw, feed) = setup(extra);
+        feed.set_fleet(vec![fleet(0, 0, 0, None)]);
+        feed.set_replica(replica);
+        sync(&mut gw);
+        let mut to = std::collections::BTreeSet::new();
+        for i in 0..8 {
+            let (r, on) = hold(&mut gw, 1000 * (i + 1));
+            gw.respond(r, kvroute_host_test::Response::ok("x"));
+            to.insert(on);
+        }
+        to.into_iter().collect::<Vec<_>>()
+    };
+    assert_eq!(spread(json!({}), "0/2"), [A]);
+    assert_eq!(spread(json!({}), "1/2"), [B]);
+    assert_eq!(spread(json!({}), "0/1"), [A, B], "alone: both");
+    assert_eq!(spread(json!({}), "junk"), [A, B], "unreadable: alone");
+    let off = json!({"route": {"replica_spread_tokens": 0}});
+    assert_eq!(spread(off, "0/2"), [A, B], "affinity off");
+    let no_fleet = json!({"load": {"fleet": false}});
+    assert_eq!(spread(no_fleet, "0/2"), [A, B], "without fleet load: alone");
+    // Load beyond the spread (2,048 tokens) crosses over: with A busy, replica 0 uses B.
+    let (mut gw, feed) = setup(json!({}));
+    feed.set_fleet(vec![fleet(0, 3, 8192, None)]);
+    feed.set_replica("0/2");
+    sync(&mut gw);
+    assert_eq!(hold(&mut gw, 5000).1, B);
+}

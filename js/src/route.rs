@@ -214,6 +214,8 @@ impl PolicySpec {
             max_kv_usage: self.max_kv_usage.unwrap_or(d.max_kv_usage),
             max_hit_queue_tokens: self.max_hit_queue_tokens.or(d.max_hit_queue_tokens),
             temperature,
+            // A browser or Node caller decides alone: no replica share.
+            ..d
         })
     }
 }

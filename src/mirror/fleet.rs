@@ -41,15 +41,52 @@ pub struct FleetWorker {
 pub struct Fleet {
     /// When the last feed page's totals were stored (ms); sample ages count from here.
     pub received_ms: u64,
+    /// This gateway among the live replicas, as the collector last numbered them.
+    pub replica: Replica,
     /// By worker slot.
     pub workers: Vec<FleetWorker>,
+}
+
+/// One gateway replica among the live ones, as the collector numbers them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Replica {
+    /// This replica's index, `0..count`.
+    pub index: u32,
+    /// Live replicas (1: this one alone).
+    pub count: u32,
+}
+
+impl Default for Replica {
+    fn default() -> Self {
+        Replica { index: 0, count: 1 }
+    }
+}
+
+impl Replica {
+    /// Parses `"index/count"` (the feed's replica header); `None` unless `index < count`.
+    pub fn parse(s: &str) -> Option<Replica> {
+        let (i, n) = s.trim().split_once('/')?;
+        let r = Replica {
+            index: i.parse().ok()?,
+            count: n.parse().ok()?,
+        };
+        (r.index < r.count).then_some(r)
+    }
+
+    /// Whether the `k`-th eligible instance is in this replica's share.
+    pub fn owns(&self, k: usize) -> bool {
+        self.count <= 1 || k % self.count as usize == self.index as usize
+    }
 }
 
 /// Two samples closer than this in time are the same scrape seen on two pages.
 const SAMPLE_SLACK_MS: u64 = 50;
 
 const ENTRY: usize = 6 * 8 + 1 + 4 + 4 + 2 + 4 + 1;
-const HEADER: usize = 1 + 8;
+const HEADER: usize = 1 + 8 + 2 + 2;
+/// The value's first byte: the mirror's layout with bit 6 set since the header holds the
+/// replica, so a value of the older layout reads as no fleet picture.
+const FORMAT: u8 = LAYOUT_VERSION | 0x40;
 
 impl Fleet {
     /// The worker at `slot` (empty when unknown).
@@ -139,8 +176,11 @@ impl Fleet {
     /// The encoded value.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(HEADER + ENTRY * self.workers.len());
-        out.push(LAYOUT_VERSION);
+        out.push(FORMAT);
         out.extend_from_slice(&self.received_ms.to_le_bytes());
+        let short = |v: u32| v.min(u16::MAX.into()) as u16;
+        out.extend_from_slice(&short(self.replica.index).to_le_bytes());
+        out.extend_from_slice(&short(self.replica.count).to_le_bytes());
         for w in &self.workers {
             for c in [w.total, w.reported] {
                 out.extend_from_slice(&c.requests.to_le_bytes());
@@ -164,7 +204,7 @@ impl Fleet {
 
     /// Decodes a value; anything malformed reads as no fleet picture.
     pub fn decode(b: &[u8]) -> Fleet {
-        if b.first() != Some(&LAYOUT_VERSION) || b.len() < HEADER {
+        if b.first() != Some(&FORMAT) || b.len() < HEADER {
             return Fleet::default();
         }
         let body = b.len() - HEADER;
@@ -200,8 +240,17 @@ impl Fleet {
                 }
             })
             .collect();
+        let replica = Replica {
+            index: le_u16(b, 9).into(),
+            count: le_u16(b, 11).into(),
+        };
         Fleet {
             received_ms: le_u64(b, 1),
+            replica: if replica.index < replica.count {
+                replica
+            } else {
+                Replica::default()
+            },
             workers,
         }
     }

@@ -305,7 +305,12 @@ fn write_entry(table: &mut [u8], at: usize, id: LoadId, l: Load, rate: u32, now_
 /// seen yet. Returns whether anything was cleared.
 pub fn load_clear_stale(table: &mut [u8], id: LoadId, older_than_ms: u64) -> bool {
     match load_find(table, id) {
-        Some((at, true)) if le_u64(table, at + 24) < older_than_ms => {
+        // Counts already at zero are nothing to clear (an engine idle since this gateway's
+        // last request there), so they are not reported as a leak repaired.
+        Some((at, true))
+            if le_u64(table, at + 24) < older_than_ms
+                && (le_u64(table, at + 8) != 0 || le_u64(table, at + 16) as u32 != 0) =>
+        {
             let rate = rate_at(table, at);
             write_entry(table, at, id, Load::default(), rate, older_than_ms)
         }

@@ -483,6 +483,10 @@ fn leaked_counts_are_cleared_only_when_older_than_the_cut() {
         "booked after the cut"
     );
     assert!(!load_clear_stale(&mut t, LoadId::slot(3), 500), "absent");
+    assert!(
+        !load_clear_stale(&mut t, LoadId::slot(1), 2000),
+        "already zero: nothing to repair"
+    );
     assert_eq!(load_get(&t, LoadId::slot(1), 1000, 10_000), Load::default());
     assert_eq!(
         load_get(&t, LoadId::slot(2), 1000, 10_000),
@@ -694,9 +698,14 @@ fn the_fleet_value_round_trips_and_takes_pages_as_the_whole_picture() {
     };
     assert!(f.apply_ops(&[load(1, 4, Some(stale))], 8, 300));
     assert_eq!(f.worker(1).idle_samples, 0);
+    f.replica = Replica { index: 1, count: 3 };
     let back = Fleet::decode(&f.encode());
     assert_eq!(back, f);
     assert_eq!(back.received_ms, 300);
+    assert_eq!(back.replica, Replica { index: 1, count: 3 });
+    let mut older = f.encode();
+    older[0] = LAYOUT_VERSION;
+    assert_eq!(Fleet::decode(&older), Fleet::default(), "the older layout");
     assert_eq!(Fleet::decode(&[1, 2, 3]), Fleet::default());
     let mut cut = f.encode();
     cut.pop();

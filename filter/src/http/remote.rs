@@ -89,7 +89,7 @@ impl Http {
             block_size: resp.block_size.max(1),
         };
         let decision = match vm.rng.try_borrow_mut() {
-            Ok(mut rng) => route::decide(&only, query, &cfg.policy, &mut *rng),
+            Ok(mut rng) => route::decide(&only, query, &picture.policy(cfg), &mut *rng),
             Err(_) => None,
         };
         // `remote_contenders` keeps the answer's instance order: index i is the i-th entry.

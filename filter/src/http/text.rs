@@ -343,7 +343,7 @@ impl Http {
                 .roster
                 .contenders(matches, tenant, model, |id| picture.load(id), &cfg.weights);
         let decision = match vm.rng.try_borrow_mut() {
-            Ok(mut rng) => route::decide(&contenders, query, &cfg.policy, &mut *rng),
+            Ok(mut rng) => route::decide(&contenders, query, &picture.policy(cfg), &mut *rng),
             Err(_) => None,
         };
         let Some((d, to)) = decision.and_then(|d| Target::of(&cache.roster, &d).map(|t| (d, t)))
