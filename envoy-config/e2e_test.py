@@ -504,21 +504,28 @@ class LoadE2E(E2E):
             self.finish(streams)
 
     def test_two_envoys_share_load_through_the_collector(self):
-        # A burst through Envoy A onto engine 1; Envoy B, which has seen none of it, learns it
-        # from the collector's fleet totals within two sync ticks and keeps cold requests off
-        # engine 1. Each Envoy on its own counts would see engine 1 idle.
+        # A burst of long prompts through Envoy A onto engine 1 (a long prefix cached there
+        # draws both: 32k uncached tokens, ~1.6 s of prefill). Envoy B, which has seen none of
+        # it, learns of the prefill queued there from the collector's fleet totals within two
+        # sync ticks and keeps cold requests off engine 1 while it lasts. On its own books B
+        # would see engine 1 idle; as one of two replicas, engine 1 may even be in its share.
         other = self.s.start_extra_envoy("peer", {})
         busy = self.s.engines[1]
-        streams = self.pin(busy, 4)
+        p = fresh(24_576)
+        self.warm(busy, p)
+        self.wait_routed(busy, p)
+        burst = [Streamer(self.s.kvroute_url, p + fresh(16_000), 16) for _ in range(2)]
         try:
             time.sleep(2 * 0.1 + 0.3)   # two ticks of the default 100 ms sync, plus the report
-            for i in range(9):
+            for i in range(6):
                 served, dest = self.cold(url=other["kvroute"])
                 check(dest is not None, f"cold request #{i} through Envoy B not decided")
                 check(served != busy.name,
                       f"cold request #{i} through Envoy B went to {busy.name}, busy through A")
         finally:
-            self.finish(streams)
+            self.finish(burst)
+        for st in burst:
+            check(st.engine == busy.name, f"the burst went to {st.engine}, not {busy.name}")
 
     def test_speculative_entry_routes_a_sibling_then_expires(self):
         # An Envoy whose index syncs only every 4 s (as if the engine's KV events were late):
@@ -526,9 +533,13 @@ class LoadE2E(E2E):
         # speculative entry alone; after the entry's TTL it no longer does (its engine is
         # made busy, so without the entry's credit the sibling goes elsewhere).
         ttl_ms = 1500
+        # Replica affinity off: the suite's other Envoys share the collector, and as one replica
+        # among them this one would keep a cold sibling on its own share of the engines even
+        # when that engine is busier by a few decoding requests.
         urls = self.s.start_extra_envoy("spec", {
             "SYNC_INTERVAL_MS": 4000, "STALE_AFTER_MS": 60000,
-            "FILTER_EXTRA": K.render.filter_extra({"route": {"speculative_ttl_ms": ttl_ms}})})
+            "FILTER_EXTRA": K.render.filter_extra({"route": {
+                "speculative_ttl_ms": ttl_ms, "replica_spread_tokens": 0}})})
         url = urls["kvroute"]
         K.wait_until(lambda: self.s.routed_to(fresh(4 * BS), url=url) is not None, 15,
                      "the slow-sync Envoy to decide cold requests", interval=0.2)

@@ -41,8 +41,9 @@
 //!   eligible one in the shared instance order is replica `k mod n`'s) as that many tokens
 //!   busier. A replica learns of the others' bookings only through the collector, one or two
 //!   sync periods late; on near-ties the replicas would pick the same engine in that window,
-//!   and with affinity they pick different ones. A difference in load or a cache hit larger
-//!   than the spread still crosses over.
+//!   and with affinity they pick different ones. An instance holding part of the prompt is
+//!   never counted busier (cache routing is unchanged), and a difference in load larger than
+//!   the spread still crosses over.
 //!
 //! The load a contender carries comes from [`fleet_view`] when the caller knows the fleet's
 //! totals: what every gateway reported, minus this gateway's own last report (already in the
@@ -314,7 +315,12 @@ pub fn decide(
                 in_flight_requests: c.load.requests,
                 in_flight_prefill_tokens: c.load.prefill_tokens,
             };
-            let away = if policy.replica.owns(k) { 0.0 } else { spread };
+            // A hit is never discounted: affinity only splits instances holding nothing.
+            let away = if policy.replica.owns(k) || hit(c) {
+                0.0
+            } else {
+                spread
+            };
             (
                 i,
                 select::cost(&cand, query.blocks, query.block_size, &policy.weights) + away,
@@ -760,7 +766,7 @@ mod tests {
     }
 
     #[test]
-    fn each_replica_prefers_its_share_until_load_or_a_hit_outweighs_it() {
+    fn each_replica_prefers_its_share_of_cold_requests_until_load_outweighs_it() {
         let of = |index, count| Policy {
             replica: Replica { index, count },
             ..Policy::default()
@@ -790,23 +796,20 @@ mod tests {
         // Loaded by less: affinity keeps it home.
         let near = [loaded(0, 1, 1024), loaded(0, 0, 0)];
         assert_eq!(with_policy(&near, &of(0, 2)).unwrap().best, 0);
-        // A hit of 10 blocks (160 tokens) in the other share does not beat 2,048 tokens ...
+        // A hit in the other share is not discounted: 10 blocks win over an idle miss.
         assert_eq!(
             with_policy(&[idle(0), idle(10)], &of(0, 2)).unwrap().best,
-            0
+            1
         );
-        // ... but with a longer prompt a long hit does (160 of 256 blocks: 2,560 tokens).
-        let long = Query {
-            blocks: 256,
-            block_size: 16,
-        };
-        let d = decide(&[idle(0), idle(160)], long, &of(0, 2), &mut SplitMix64(1)).unwrap();
-        assert_eq!(d.best, 1);
+        // Affinity off: the other share's idle instances compete as equals again.
         let off = Policy {
             replica_spread_tokens: 0,
             ..of(0, 2)
         };
-        assert_eq!(with_policy(&[idle(0), idle(10)], &off).unwrap().best, 1);
+        let both: Vec<usize> = (0..40)
+            .map(|s| decide(&cs, Q, &off, &mut SplitMix64(s)).unwrap().best)
+            .collect();
+        assert!([0, 1, 3, 4].iter().all(|i| both.contains(i)), "{both:?}");
         assert_eq!(Replica::parse("1/2"), Some(Replica { index: 1, count: 2 }));
         assert_eq!(Replica::parse("2/2"), None);
         assert_eq!(Replica::parse("x"), None);

@@ -199,7 +199,7 @@ impl Default for ReplayConfig {
 }
 
 /// One request's outcome. Times in simulated seconds.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct RequestResult {
     pub index: usize,
     /// Scheduled send time from the trace's start.

@@ -366,6 +366,13 @@ impl Ctx {
                 k.query_errors.load(std::sync::atomic::Ordering::Relaxed)
             }),
             gateway_stats,
+            no_wait_ttft_s: report::no_wait_ttft(
+                &per_request,
+                self.a.prefill_tokens_per_s,
+                kvroute_sim::engine::EngineConfig::default()
+                    .prefill_overhead
+                    .as_secs_f64(),
+            ),
             results: per_request,
         })
     }
