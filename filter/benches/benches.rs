@@ -111,15 +111,17 @@ fn index_image(total: usize, prompt: &[u32], distinct: usize) -> Vec<(String, Ve
 }
 
 fn gateway(image: &[(String, Vec<u8>)]) -> Gateway {
-    gateway_with(image, false)
+    gateway_with(image, false, "")
 }
 
-fn gateway_with(image: &[(String, Vec<u8>)], with_fuel: bool) -> Gateway {
+/// A gateway on `image`; `extra`: more top-level keys of the filter's JSON config (`"k": v,`).
+fn gateway_with(image: &[(String, Vec<u8>)], with_fuel: bool, extra: &str) -> Gateway {
     let wasm = built_wasm("kvroute_filter").unwrap_or_else(|e| panic!("{e}: run make wasm"));
+    let config = format!(
+        r#"{{{extra}"collector":{{"cluster":"kvroute_collector"}},"index":{{"stale_after_ms":3600000}}}}"#
+    );
     let mut gw = Gateway::builder(wasm)
-        .config(
-            r#"{"collector":{"cluster":"kvroute_collector"},"index":{"stale_after_ms":3600000}}"#,
-        )
+        .config(&config)
         .plugin_name("kvroute")
         .allow_on_headers_stop_iteration(true)
         .fuel(with_fuel)
@@ -197,6 +199,35 @@ fn main() {
         );
         let base = measure(&mut gw, n, |r| r.header("x-other", "1"));
         println!("baseline (no tokens): {:.1} us/request", us(base));
+        // The decision's bookkeeping (issue 10: the load picture read, the booking, its two
+        // releases, the speculative entry), bounded from above: a one-block prompt nobody
+        // holds, decided and booked (model "m"), against the same request for a model with no
+        // instances (no lookup, no decision, no books). The difference also holds the
+        // one-block lookup and the decision.
+        let cold: Vec<u32> = (0..16).map(|i| 900_000 + i).collect();
+        let cold = encode_base64_u32(&cold);
+        let unrouted = measure(&mut gw, n, |r| {
+            r.header("x-token-ids", &cold).header("x-model", "absent")
+        });
+        let booked = measure(&mut gw, n, |r| {
+            r.header("x-token-ids", &cold).header("x-model", "m")
+        });
+        println!(
+            "decision bookkeeping, upper bound (1-block cold request, decided and booked, minus the same unrouted): {:.1} us/request",
+            us(booked.saturating_sub(unrouted))
+        );
+        // Its speculative part: the same gateway with speculative entries off.
+        let mut no_spec = gateway_with(&image, false, r#""route":{"speculative_ttl_ms":0},"#);
+        let unrouted2 = measure(&mut no_spec, n, |r| {
+            r.header("x-token-ids", &cold).header("x-model", "absent")
+        });
+        let booked2 = measure(&mut no_spec, n, |r| {
+            r.header("x-token-ids", &cold).header("x-model", "m")
+        });
+        println!(
+            "  the same without speculative entries: {:.1} us/request",
+            us(booked2.saturating_sub(unrouted2))
+        );
         println!("| tokens | intake header b64 (us) | intake body JSON (us) | body MB/s | route (us) | lookup+decision (us) | bucket reads/request | host cost of the header / body (us) |");
         println!("|---|---|---|---|---|---|---|---|");
         for size in [1024usize, 8192, 32768] {
@@ -254,7 +285,7 @@ fn main() {
     println!("\n| tokens | fuel: baseline | header intake | body intake | route (header) |");
     println!("|---|---|---|---|---|");
     let image = index_image(1_000_000, &prompt, 2);
-    let mut gw = gateway_with(&image, true);
+    let mut gw = gateway_with(&image, true, "");
     let f_base = fuel(&mut gw, |r| r.header("x-other", "1"));
     for size in [1024usize, 8192, 32768] {
         let toks = &prompt[..size];
