@@ -13,9 +13,19 @@ use crate::config::{millis, Config};
 use crate::host::{self, HostStore};
 use crate::vm::VmRef;
 
-/// Entries of the speculative table: about 200 recent requests of 32 to 64 blocks (five or
-/// six stored depths each), 24 KiB of shared data.
-pub const SPECULATIVE_ENTRIES: u32 = 1024;
+/// Shards of the speculative table, by the prompt's first block key: a decision reads and
+/// writes one shard of 1.5 KiB instead of a 24 KiB table (siblings share their first block,
+/// so they meet in the same shard).
+pub const SPECULATIVE_SHARDS: u32 = 16;
+/// Entries of one shard; all shards together hold about 200 recent requests of 32 to 64
+/// blocks (five or six stored depths each), 24 KiB of shared data.
+pub const SPECULATIVE_ENTRIES: u32 = 64;
+
+/// The speculative shard of `view`'s prompt (`None` without a full block).
+fn speculative_shard<S: Store>(view: &PrefixView<'_, S>) -> Option<u32> {
+    view.key_at(Depth(0))
+        .map(|k| (k.0 % u64::from(SPECULATIVE_SHARDS)) as u32)
+}
 
 /// The load picture of one decision, read once.
 pub(crate) struct Picture {
@@ -195,6 +205,7 @@ pub fn release(vm: &VmRef, cfg: &Config, b: Booked) {
 /// The speculative table as read for a decision, kept for the write after it (one copy of
 /// the value less per request when no other VM wrote meanwhile).
 pub(crate) struct SpecRead {
+    shard: u32,
     table: Vec<u8>,
     cas: u32,
 }
@@ -209,8 +220,10 @@ pub fn speculative_matches<S: Store>(
     now: u64,
     matches: &mut Vec<WorkerMatch>,
 ) -> Option<SpecRead> {
-    let (value, cas) = HostStore.get(&vm.keys.speculative()).ok()?;
+    let shard = speculative_shard(view)?;
+    let (value, cas) = HostStore.get(&vm.keys.speculative(shard)).ok()?;
     let read = SpecRead {
+        shard,
         table: value.unwrap_or_default(),
         cas,
     };
@@ -256,7 +269,14 @@ pub fn remember<S: Store>(
     if keys.is_empty() {
         return;
     }
-    let key = vm.keys.speculative();
+    let Some(shard) = read
+        .as_ref()
+        .map(|r| r.shard)
+        .or_else(|| speculative_shard(view))
+    else {
+        return;
+    };
+    let key = vm.keys.speculative(shard);
     let mut first = read.map(|r| (r.table, r.cas));
     for _ in 0..mirror::CAS_RETRIES {
         let (mut table, cas) = match first.take() {

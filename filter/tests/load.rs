@@ -343,3 +343,27 @@ fn each_gateway_replica_prefers_its_share_of_the_engines() {
     sync(&mut gw);
     assert_eq!(hold(&mut gw, 5000).1, B);
 }
+
+#[test]
+fn the_speculative_table_is_sixteen_fixed_shards() {
+    let (mut gw, _feed) = setup(json!({}));
+    for i in 0..200 {
+        let (r, _) = hold(&mut gw, 10_000 + 100 * i);
+        gw.respond(r, kvroute_host_test::Response::ok("x"));
+    }
+    let prefix = format!("{}/spec/", keys().prefix());
+    let shards: Vec<String> = gw
+        .shared_data_keys()
+        .into_iter()
+        .filter(|k| k.starts_with(&prefix))
+        .collect();
+    assert!((2..=16).contains(&shards.len()), "{shards:?}");
+    for k in &shards {
+        let (v, _) = gw.shared_data(k).unwrap();
+        assert_eq!(v.len(), 1 + 64 * 24, "{k}: fixed size");
+    }
+    assert!(gw
+        .shared_data(&format!("{}/spec", keys().prefix()))
+        .is_none());
+    assert!(gw.errors().is_empty());
+}

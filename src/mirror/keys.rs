@@ -90,9 +90,10 @@ impl Keys {
         format!("{}/gateway", self.prefix)
     }
 
-    /// The speculative-holder table key (`speculative.rs`).
-    pub fn speculative(&self) -> String {
-        format!("{}/spec", self.prefix)
+    /// The key of speculative-holder table `shard` (`speculative.rs`): a prompt's entries all
+    /// go to the shard of its first block, which its siblings share.
+    pub fn speculative(&self, shard: u32) -> String {
+        format!("{}/spec/{shard}", self.prefix)
     }
 
     /// The meta key of generation `gen` (0 or 1).

@@ -13,7 +13,7 @@
 //! | `{prefix}/load` | in-flight requests per worker, with a time-to-live ([`load_get`]) | `load.rs` |
 //! | `{prefix}/fleet` | fleet-wide load totals, own last report, engine samples ([`Fleet`]) | `fleet.rs` |
 //! | `{prefix}/gateway` | this Envoy's gateway id in load reports, made once | (filter) |
-//! | `{prefix}/spec` | speculative block holders of recent decisions ([`spec_insert`]) | `speculative.rs` |
+//! | `{prefix}/spec/{shard}` | speculative block holders of recent decisions, sharded by a prompt's first block ([`spec_insert`]) | `speculative.rs` |
 //! | `{prefix}/text/{i:x}` | shard `i` of the recorded text prefixes (`text.max_entries / 512` shards) | [`crate::approx`] |
 //! | `{prefix}/g{0,1}/meta` | worker slots, block sizes, aliases of a generation ([`Meta`]) | `meta.rs` |
 //! | `{prefix}/g{0,1}/b{i:x}` | bucket `i` of a generation's block table ([`BucketRef`]) | `buckets.rs` |

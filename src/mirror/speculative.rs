@@ -2,7 +2,8 @@
 //! request's blocks for a short time-to-live, so siblings that arrive before the engine's KV
 //! events reach the mirror follow it (vllm-router and Dynamo do the same).
 //!
-//! Bounded: one shared-data value of fixed capacity. A request stores its block keys at a few
+//! Bounded: a fixed number of shared-data values (shards, by the prompt's first block key) of
+//! fixed capacity each. A request stores its block keys at a few
 //! depths only ([`stored_depths`]: powers of two and the last full block), not every block; a
 //! sibling's speculative match is the deepest stored depth whose key it shares. An insert
 //! probes [`PROBE`] entries from `key % capacity` and takes the same key, a free or expired
