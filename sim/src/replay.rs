@@ -125,9 +125,10 @@ pub struct Decision {
     pub slot: usize,
     /// Prompt tokens the router expected to be uncached (its prefill-load estimate).
     pub uncached_tokens: usize,
-    /// When the router booked it, in its own milliseconds, and whether it saw the engine's
-    /// prefill idle then (a router learning prefill rates reads them back).
+    /// When the router booked it, in the router's own milliseconds (a router learning
+    /// prefill rates reads it back at the first token).
     pub booked_at_ms: u64,
+    /// The router saw the engine's prefill idle when it booked this request.
     pub idle: bool,
 }
 
