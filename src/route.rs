@@ -278,6 +278,8 @@ pub struct Decision {
     pub dp_rank: u32,
     /// Matched blocks of `best`, longest over tiers.
     pub matched_blocks: u32,
+    /// Prefill tokens queued on `best` as decided on (0: its prefill was idle).
+    pub queued_prefill_tokens: u64,
 }
 
 /// Ranks the eligible contenders under `policy`: the cheapest (seeded random among exact
@@ -333,6 +335,7 @@ pub fn decide(
         runner_up,
         dp_rank: c.dp_rank,
         matched_blocks: c.matched[2],
+        queued_prefill_tokens: c.load.prefill_tokens,
     })
 }
 

@@ -203,13 +203,16 @@ pub fn sample(
         return rank(costs, rng);
     }
     let scale = temperature * min.max(1.0);
-    let weight = |c: f64| (-(c - min) / scale).exp();
-    let total: f64 = costs.iter().map(|&(_, c)| weight(c)).sum();
+    let weights: Vec<f64> = costs
+        .iter()
+        .map(|&(_, c)| (-(c - min) / scale).exp())
+        .collect();
     // 53 random bits as a fraction of the total weight.
-    let mut left = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
+    let mut left =
+        (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * weights.iter().sum::<f64>();
     let mut chosen = costs.len() - 1;
-    for (k, &(_, c)) in costs.iter().enumerate() {
-        left -= weight(c);
+    for (k, w) in weights.iter().enumerate() {
+        left -= w;
         if left < 0.0 {
             chosen = k;
             break;

@@ -282,8 +282,15 @@ fn fleet_flags_have_defaults_and_are_validated() {
     }
 }
 
-/// A `/v1/feed` answer's headers `x-kvroute-load-excludes` and `x-kvroute-replica`.
-async fn feed_headers(c: &Collector, query: &str) -> (Option<String>, Option<String>) {
+/// A `/v1/feed` answer: its `x-kvroute-load-excludes` and `x-kvroute-replica` headers and
+/// its `Load` ops by worker, `(worker, requests, prefill_tokens)`.
+struct FeedAnswer {
+    excludes: Option<String>,
+    replica: Option<String>,
+    loads: Vec<(u32, u64, u64)>,
+}
+
+async fn feed_load(c: &Collector, query: &str) -> FeedAnswer {
     let r = c
         .http
         .get(format!("{}/v1/feed{query}", c.url))
@@ -291,27 +298,15 @@ async fn feed_headers(c: &Collector, query: &str) -> (Option<String>, Option<Str
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
-    let h = |name: &str| {
+    let header = |name: &str| {
         r.headers()
             .get(name)
             .map(|v| v.to_str().unwrap().to_owned())
     };
-    (h("x-kvroute-load-excludes"), h("x-kvroute-replica"))
-}
-
-/// The `Load` ops of a `/v1/feed` page, by worker: `(requests, prefill_tokens)`.
-async fn feed_load(c: &Collector, query: &str) -> (Option<String>, Vec<(u32, u64, u64)>) {
-    let r = c
-        .http
-        .get(format!("{}/v1/feed{query}", c.url))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::OK);
-    let excludes = r
-        .headers()
-        .get("x-kvroute-load-excludes")
-        .map(|v| v.to_str().unwrap().to_owned());
+    let (excludes, replica) = (
+        header("x-kvroute-load-excludes"),
+        header("x-kvroute-replica"),
+    );
     let page = kvroute::feed::Page::decode(&r.bytes().await.unwrap()).unwrap();
     let mut loads: Vec<(u32, u64, u64)> = page
         .ops
@@ -327,7 +322,11 @@ async fn feed_load(c: &Collector, query: &str) -> (Option<String>, Vec<(u32, u64
         })
         .collect();
     loads.sort_unstable();
-    (excludes, loads)
+    FeedAnswer {
+        excludes,
+        replica,
+        loads,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -342,20 +341,28 @@ async fn a_gateway_reads_the_feed_totals_without_its_own_report() {
     ))
     .await;
     // No reader: every gateway's report, and no header.
-    let (excludes, all) = feed_load(&c, "").await;
+    let FeedAnswer {
+        excludes,
+        loads: all,
+        ..
+    } = feed_load(&c, "").await;
     assert_eq!(excludes, None);
     assert_eq!(all, vec![(a, 5, 150), (b, 1, 7)]);
     // gw/1 (percent-encoded) reads gw-2's load only, and is told so.
-    let (excludes, mine) = feed_load(&c, "?gateway=gw%2F1").await;
+    let FeedAnswer {
+        excludes,
+        loads: mine,
+        ..
+    } = feed_load(&c, "?gateway=gw%2F1").await;
     assert_eq!(excludes.as_deref(), Some("gw/1"));
     assert_eq!(mine, vec![(a, 3, 50), (b, 1, 7)]);
     // A gateway that never reported reads everything; a bad id is a 400 with JSON.
-    assert_eq!(feed_load(&c, "?gateway=gw-3").await.1, all);
+    assert_eq!(feed_load(&c, "?gateway=gw-3").await.loads, all);
     // Each reader is told its place among the live replicas (itself counted): ids in byte
     // order, "gw-2" < "gw-3" < "gw/1".
     let replica = |q: &'static str| {
         let c = &c;
-        async move { feed_headers(c, q).await.1 }
+        async move { feed_load(c, q).await.replica }
     };
     assert_eq!(replica("?gateway=gw-2").await.as_deref(), Some("0/2"));
     assert_eq!(replica("?gateway=gw%2F1").await.as_deref(), Some("1/2"));

@@ -465,9 +465,7 @@ impl Http {
             return Action::Continue;
         };
         drop(cache);
-        self.engine_idle = contenders
-            .get(d.best)
-            .is_some_and(|c| c.load.prefill_tokens == 0);
+        self.engine_idle = d.queued_prefill_tokens == 0;
         let slot = to.slot;
         if spec {
             books::remember(vm, cfg, &view, spec_read, query_blocks as u32, slot, now);

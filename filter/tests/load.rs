@@ -269,47 +269,42 @@ fn booked_prefill_drains_at_the_configured_rate() {
     assert_ne!(to, long_on);
 }
 
+/// Sends a `tokens`-token prompt (starting at `start`), answers its first bytes `after` later,
+/// and returns the worker slot it went to and the prefill rate then stored for it.
+fn rate_after(
+    gw: &mut kvroute_host_test::Gateway,
+    start: u32,
+    tokens_n: u32,
+    after: u64,
+) -> (u32, u32) {
+    let r = gw
+        .request()
+        .json_body(&json!({"model": "m", "prompt": tokens(start, tokens_n), "max_tokens": 1}))
+        .hold_response()
+        .start();
+    let slot = u32::from(best(&gw.outcome(r)) == Some(B));
+    gw.advance(Duration::from_millis(after));
+    gw.respond(r, kvroute_host_test::Response::ok("x"));
+    let table = gw
+        .shared_data(&keys().load())
+        .map(|(v, _)| v)
+        .unwrap_or_default();
+    let rate = kvroute::mirror::load_rate(&table, kvroute::mirror::LoadId::slot(slot));
+    (slot, rate)
+}
+
 #[test]
 fn the_prefill_rate_is_learned_from_requests_that_found_the_engine_idle() {
     let (mut gw, _feed) = setup(json!({}));
-    let rate_of = |gw: &kvroute_host_test::Gateway, slot: u32| {
-        let table = gw
-            .shared_data(&keys().load())
-            .map(|(v, _)| v)
-            .unwrap_or_default();
-        kvroute::mirror::load_rate(&table, kvroute::mirror::LoadId::slot(slot))
-    };
     // 8,192 tokens on an idle engine, first bytes 400 ms later: 20,480 tokens/s.
-    let r = gw
-        .request()
-        .json_body(&json!({"model": "m", "prompt": tokens(10_000, 8192), "max_tokens": 1}))
-        .hold_response()
-        .start();
-    let slot = u32::from(best(&gw.outcome(r)) == Some(B));
-    gw.advance(Duration::from_millis(400));
-    gw.respond(r, kvroute_host_test::Response::ok("x"));
-    assert_eq!(rate_of(&gw, slot), 20_480);
+    let (slot, rate) = rate_after(&mut gw, 10_000, 8192, 400);
+    assert_eq!(rate, 20_480);
     // A short prompt measures mostly overhead: no sample.
-    let r = gw
-        .request()
-        .json_body(&json!({"model": "m", "prompt": tokens(40_000, 64), "max_tokens": 1}))
-        .hold_response()
-        .start();
-    let slot2 = u32::from(best(&gw.outcome(r)) == Some(B));
-    gw.advance(Duration::from_millis(400));
-    gw.respond(r, kvroute_host_test::Response::ok("x"));
-    assert_eq!(rate_of(&gw, slot2), if slot2 == slot { 20_480 } else { 0 });
+    let (slot2, rate2) = rate_after(&mut gw, 40_000, 64, 400);
+    assert_eq!(rate2, if slot2 == slot { 20_480 } else { 0 });
     // A configured rate is not overwritten by samples.
     let (mut gw, _feed) = setup(json!({"load": {"prefill_tokens_per_s": 5000}}));
-    let r = gw
-        .request()
-        .json_body(&json!({"model": "m", "prompt": tokens(10_000, 8192), "max_tokens": 1}))
-        .hold_response()
-        .start();
-    let slot = u32::from(best(&gw.outcome(r)) == Some(B));
-    gw.advance(Duration::from_millis(400));
-    gw.respond(r, kvroute_host_test::Response::ok("x"));
-    assert_eq!(rate_of(&gw, slot), 5000);
+    assert_eq!(rate_after(&mut gw, 10_000, 8192, 400).1, 5000);
 }
 
 #[test]

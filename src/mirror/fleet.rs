@@ -63,14 +63,15 @@ impl Default for Replica {
 }
 
 impl Replica {
-    /// Parses `"index/count"` (the feed's replica header); `None` unless `index < count`.
+    /// Replica `index` of `count`; `None` unless `index < count`.
+    pub fn new(index: u32, count: u32) -> Option<Replica> {
+        (index < count).then_some(Replica { index, count })
+    }
+
+    /// Parses `"index/count"` (the feed's replica header).
     pub fn parse(s: &str) -> Option<Replica> {
         let (i, n) = s.trim().split_once('/')?;
-        let r = Replica {
-            index: i.parse().ok()?,
-            count: n.parse().ok()?,
-        };
-        (r.index < r.count).then_some(r)
+        Replica::new(i.parse().ok()?, n.parse().ok()?)
     }
 
     /// Whether the `k`-th eligible instance is in this replica's share.
@@ -240,17 +241,9 @@ impl Fleet {
                 }
             })
             .collect();
-        let replica = Replica {
-            index: le_u16(b, 9).into(),
-            count: le_u16(b, 11).into(),
-        };
         Fleet {
             received_ms: le_u64(b, 1),
-            replica: if replica.index < replica.count {
-                replica
-            } else {
-                Replica::default()
-            },
+            replica: Replica::new(le_u16(b, 9).into(), le_u16(b, 11).into()).unwrap_or_default(),
             workers,
         }
     }

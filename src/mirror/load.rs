@@ -160,6 +160,12 @@ fn entry_at(table: &[u8], at: usize, now_ms: u64, ttl_ms: u64) -> Load {
     }
 }
 
+/// Whether the entry at `at` counts nothing in flight (no requests, prefill, decode or
+/// backlog; its rate may stay).
+fn holds_nothing(table: &[u8], at: usize) -> bool {
+    le_u64(table, at + 8) == 0 && le_u64(table, at + 16) == 0
+}
+
 /// The worker's prefill rate stored in the entry at `at` (tokens per second, 0: unknown).
 fn rate_at(table: &[u8], at: usize) -> u32 {
     le_u64(table, at + 32) as u32
@@ -210,7 +216,7 @@ fn load_find(table: &[u8], id: LoadId) -> Option<(usize, bool)> {
         if e == 0 {
             return Some((free.unwrap_or(at), false));
         }
-        if free.is_none() && le_u64(table, at + 8) == 0 && le_u64(table, at + 16) == 0 {
+        if free.is_none() && holds_nothing(table, at) {
             // An entry with nothing in flight can be reused.
             free = Some(at);
         }
@@ -255,7 +261,7 @@ pub fn load_add(
         return false;
     };
     let (cur, rate) = if found {
-        (load_get(table, id, now_ms, ttl_ms), rate_at(table, at))
+        (entry_at(table, at, now_ms, ttl_ms), rate_at(table, at))
     } else {
         (Load::default(), 0)
     };
@@ -307,10 +313,7 @@ pub fn load_clear_stale(table: &mut [u8], id: LoadId, older_than_ms: u64) -> boo
     match load_find(table, id) {
         // Counts already at zero are nothing to clear (an engine idle since this gateway's
         // last request there), so they are not reported as a leak repaired.
-        Some((at, true))
-            if le_u64(table, at + 24) < older_than_ms
-                && (le_u64(table, at + 8) != 0 || le_u64(table, at + 16) as u32 != 0) =>
-        {
+        Some((at, true)) if le_u64(table, at + 24) < older_than_ms && !holds_nothing(table, at) => {
             let rate = rate_at(table, at);
             write_entry(table, at, id, Load::default(), rate, older_than_ms)
         }

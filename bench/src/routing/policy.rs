@@ -55,16 +55,18 @@ impl Load {
         mirror::load_get(&t, LoadId::slot(slot as u32), self.now_ms(), LOAD_TTL_MS)
     }
 
-    fn change(&self, slot: usize, delta: LoadDelta) {
+    /// Applies `delta` to `slot`; returns the time and the load just before.
+    fn change(&self, slot: usize, delta: LoadDelta) -> (u64, mirror::Load) {
         let mut t = self.table.lock().expect("load table");
-        let id = LoadId::slot(slot as u32);
-        mirror::load_add(&mut t, self.capacity, id, delta, self.now_ms(), LOAD_TTL_MS);
+        let (id, now) = (LoadId::slot(slot as u32), self.now_ms());
+        let before = mirror::load_get(&t, id, now, LOAD_TTL_MS);
+        mirror::load_add(&mut t, self.capacity, id, delta, now, LOAD_TTL_MS);
+        (now, before)
     }
 
     /// Books a request; returns when, and whether the engine's prefill was idle.
     fn add(&self, slot: usize, uncached: usize) -> (u64, bool) {
-        let idle = self.get(slot).backlog == 0;
-        self.change(
+        let (now, before) = self.change(
             slot,
             LoadDelta {
                 requests: 1,
@@ -72,7 +74,7 @@ impl Load {
                 ..LoadDelta::default()
             },
         );
-        (self.now_ms(), idle)
+        (now, before.backlog == 0)
     }
 
     fn first_token(&self, d: &Decision) {

@@ -105,7 +105,7 @@ impl Http {
             self.finish(vm, o);
             return;
         };
-        self.engine_idle = only.get(d.best).is_some_and(|c| c.load.prefill_tokens == 0);
+        self.engine_idle = d.queued_prefill_tokens == 0;
         let runner = d.runner_up.and_then(entry).map(|m| m.address.as_str());
         self.route(
             vm,

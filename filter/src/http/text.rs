@@ -352,9 +352,7 @@ impl Http {
             return;
         };
         drop(cache);
-        self.engine_idle = contenders
-            .get(d.best)
-            .is_some_and(|c| c.load.prefill_tokens == 0);
+        self.engine_idle = d.queued_prefill_tokens == 0;
         let slot = to.slot;
         let rec = vm
             .text_table
