@@ -19,6 +19,7 @@
 //! Run: `make wasm && cargo bench -p kvroute-filter --bench benches` (env `KVROUTE_BENCH_N`
 //! sets the requests per case, default 300).
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use kvroute::event::{Tier, WorkerId};
@@ -175,6 +176,89 @@ fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
+/// Rounds of the interleaved bookkeeping measurement.
+const ROUNDS: usize = 30;
+
+/// A one-block request for `model` of a prompt no request had before (none is a hit, not
+/// even a speculative one), answered with a body (so the booked prefill is released at its
+/// first bytes, as in real traffic).
+fn cold_request<'g>(
+    r: kvroute_host_test::RequestBuilder<'g>,
+    model: &str,
+) -> kvroute_host_test::RequestBuilder<'g> {
+    static NEXT: AtomicU32 = AtomicU32::new(1_000_000);
+    let first = NEXT.fetch_add(16, Ordering::Relaxed);
+    let tokens: Vec<u32> = (first..first + 16).collect();
+    r.header("x-token-ids", &encode_base64_u32(&tokens))
+        .header("x-model", model)
+        .upstream_response(Response::ok("{\"choices\":[]}"))
+}
+
+/// The decision's bookkeeping (issue 10: the load picture read, the booking, its two
+/// releases, the speculative entry), on a one-block prompt nobody holds. Three requests of it,
+/// measured in interleaved rounds (the best batch of each, so drift hits all three alike):
+/// - `unrouted`: for a model with no instances (intake and the staleness check only);
+/// - `deferred`: the filter configured to leave cold requests to Envoy (`route.cold: defer`):
+///   the lookup, the speculative lookup and the load picture, but no decision and no books;
+/// - `booked`: decided, headers set, booked, released at the first body bytes and at the end,
+///   remembered as a speculative entry.
+///
+/// `booked − unrouted` bounds the bookkeeping from above with the lookup inside; `booked −
+/// deferred` holds the decision, the headers, the booking, the releases and the speculative
+/// entry. Fuel (wasm operators, exact) is given beside each.
+fn bookkeeping_lines(image: &[(String, Vec<u8>)], n: u64) {
+    for (label, extra) in [
+        ("", ""),
+        (" (speculative entries off)", r#""speculative_ttl_ms":0,"#),
+    ] {
+        let decide_cfg = format!(r#""route":{{{extra}"cold":"decide"}},"#);
+        let defer_cfg = format!(r#""route":{{{extra}"cold":"defer"}},"#);
+        // The same configuration runs at different speeds in different wasmtime instances
+        // (up to 1.7× apart here, steadily): three of each, the quickest counts.
+        let mut decide: Vec<Gateway> = (0..3)
+            .map(|_| gateway_with(image, false, &decide_cfg))
+            .collect();
+        let mut defer: Vec<Gateway> = (0..3)
+            .map(|_| gateway_with(image, false, &defer_cfg))
+            .collect();
+        for gw in decide.iter_mut().chain(defer.iter_mut()) {
+            bench::run(gw, n / 5 + 1, |_, r| cold_request(r, "m")).unwrap();
+        }
+        let mut best = [Duration::MAX; 3];
+        let batch = n / 20 + 1;
+        let time = |gw: &mut Gateway, model: &str| {
+            bench::run(gw, batch, |_, r| cold_request(r, model))
+                .unwrap()
+                .wall_per_request()
+        };
+        for _ in 0..ROUNDS {
+            for (a, b) in decide.iter_mut().zip(defer.iter_mut()) {
+                let times = [time(a, "absent"), time(b, "m"), time(a, "m")];
+                for (best, t) in best.iter_mut().zip(times) {
+                    *best = (*best).min(t);
+                }
+            }
+        }
+        drop((decide, defer));
+        let fuels = {
+            let mut decide = gateway_with(image, true, &decide_cfg);
+            let mut defer = gateway_with(image, true, &defer_cfg);
+            [
+                fuel(&mut decide, |r| cold_request(r, "absent")),
+                fuel(&mut defer, |r| cold_request(r, "m")),
+                fuel(&mut decide, |r| cold_request(r, "m")),
+            ]
+        };
+        let [u, d, b] = best;
+        println!(
+            "bookkeeping{label}: unrouted {:.1} us ({} fuel), deferred {:.1} us ({} fuel), booked {:.1} us ({} fuel); booked - unrouted {:.1} us, booked - deferred {:.1} us ({} fuel)",
+            us(u), fuels[0], us(d), fuels[1], us(b), fuels[2],
+            us(b.saturating_sub(u)), us(b.saturating_sub(d)),
+            fuels[2].saturating_sub(fuels[1]),
+        );
+    }
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
@@ -183,6 +267,8 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(300);
+    // `KVROUTE_BENCH_ONLY=bookkeeping`: the bookkeeping lines alone.
+    let only_bookkeeping = std::env::var("KVROUTE_BENCH_ONLY").is_ok_and(|v| v == "bookkeeping");
     let prompt: Vec<u32> = (0..32_768u32)
         .map(|i| i.wrapping_mul(2_654_435_761) % 100_000)
         .collect();
@@ -191,6 +277,10 @@ fn main() {
             "\n1M-block index, 16 instances, {distinct} distinct match lengths of the prompt:"
         );
         let image = index_image(1_000_000, &prompt, distinct);
+        if only_bookkeeping {
+            bookkeeping_lines(&image, n);
+            continue;
+        }
         let mut gw = gateway(&image);
         println!(
             "shared-data keys: {}, bytes: {}",
@@ -199,32 +289,7 @@ fn main() {
         );
         let base = measure(&mut gw, n, |r| r.header("x-other", "1"));
         println!("baseline (no tokens): {:.1} us/request", us(base));
-        // The decision's bookkeeping (issue 10: the load picture read, the booking, its two
-        // releases, the speculative entry), bounded from above: a one-block prompt nobody
-        // holds, decided and booked (model "m"), against the same request for a model with no
-        // instances (no lookup, no decision, no books). The difference also holds the
-        // one-block lookup and the decision.
-        let cold: Vec<u32> = (0..16).map(|i| 900_000 + i).collect();
-        let cold = encode_base64_u32(&cold);
-        let bookkeeping = |gw: &mut Gateway| {
-            let unrouted = measure(gw, n, |r| {
-                r.header("x-token-ids", &cold).header("x-model", "absent")
-            });
-            let booked = measure(gw, n, |r| {
-                r.header("x-token-ids", &cold).header("x-model", "m")
-            });
-            us(booked.saturating_sub(unrouted))
-        };
-        println!(
-            "decision bookkeeping, upper bound (1-block cold request, decided and booked, minus the same unrouted): {:.1} us/request",
-            bookkeeping(&mut gw)
-        );
-        // Its speculative part: the same gateway with speculative entries off.
-        let mut no_spec = gateway_with(&image, false, r#""route":{"speculative_ttl_ms":0},"#);
-        println!(
-            "  the same without speculative entries: {:.1} us/request",
-            bookkeeping(&mut no_spec)
-        );
+        bookkeeping_lines(&image, n);
         println!("| tokens | intake header b64 (us) | intake body JSON (us) | body MB/s | route (us) | lookup+decision (us) | bucket reads/request | host cost of the header / body (us) |");
         println!("|---|---|---|---|---|---|---|---|");
         for size in [1024usize, 8192, 32768] {
@@ -277,6 +342,9 @@ fn main() {
             us(junk_body.saturating_sub(base)),
         );
         }
+    }
+    if only_bookkeeping {
+        return;
     }
     // Fuel per request (wasm operators), 2 distinct lengths.
     println!("\n| tokens | fuel: baseline | header intake | body intake | route (header) |");

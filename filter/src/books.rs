@@ -30,6 +30,8 @@ fn speculative_shard<S: Store>(view: &PrefixView<'_, S>) -> Option<u32> {
 /// The load picture of one decision, read once.
 pub(crate) struct Picture {
     table: Vec<u8>,
+    /// The table's CAS token (0: there was none): the booking writes over this read.
+    cas: u32,
     fleet: Option<Fleet>,
     fleet_counts: bool,
     now: u64,
@@ -39,17 +41,17 @@ pub(crate) struct Picture {
 
 impl Picture {
     pub fn read(vm: &VmRef, cfg: &Config, now: u64) -> Picture {
-        let table = HostStore
-            .get(&vm.keys.load())
-            .ok()
-            .and_then(|(v, _)| v)
-            .unwrap_or_default();
+        let (table, cas) = match HostStore.get(&vm.keys.load()) {
+            Ok((Some(v), cas)) => (v, cas),
+            _ => (Vec::new(), 0),
+        };
         let fresh_ms = millis(cfg.stale_after);
         // Totals and samples older than the index's own staleness bound are not trusted.
         let fleet = Some(mirror::read_fleet(&HostStore, &vm.keys))
             .filter(|f| !f.workers.is_empty() && now.saturating_sub(f.received_ms) <= fresh_ms);
         Picture {
             table,
+            cas,
             fleet,
             fleet_counts: cfg.fleet,
             now,
@@ -120,16 +122,30 @@ pub(crate) struct Booked {
     pub idle: bool,
 }
 
-fn update(vm: &VmRef, cfg: &Config, id: LoadId, delta: LoadDelta) -> bool {
-    let ok = mirror::load_update(
-        &HostStore,
-        &vm.keys,
-        cfg.limits.max_workers,
-        id,
-        delta,
-        host::now_ms(),
-        millis(cfg.load_ttl),
-    );
+/// Applies `delta` to `id`'s entry at `now`; `seen`: the decision's picture, whose table
+/// (with its CAS token) is written over without being read again.
+fn update(
+    vm: &VmRef,
+    cfg: &Config,
+    id: LoadId,
+    delta: LoadDelta,
+    now: u64,
+    seen: Option<Picture>,
+) -> bool {
+    let (cap, ttl) = (cfg.limits.max_workers, millis(cfg.load_ttl));
+    let ok = match seen {
+        Some(p) => mirror::load_update_seen(
+            &HostStore,
+            &vm.keys,
+            (p.table, p.cas),
+            cap,
+            id,
+            delta,
+            now,
+            ttl,
+        ),
+        None => mirror::load_update(&HostStore, &vm.keys, cap, id, delta, now, ttl),
+    };
     if !matches!(ok, Ok(true)) {
         host::increment_metric(vm.metrics.load_errors, 1);
         return false;
@@ -137,11 +153,13 @@ fn update(vm: &VmRef, cfg: &Config, id: LoadId, delta: LoadDelta) -> bool {
     true
 }
 
-/// Books a routed request: one request, its uncached prefill and its decode budget. `idle`:
-/// the decision saw no prefill ahead of it on that engine.
+/// Books a routed request: one request, its uncached prefill and its decode budget, as of
+/// the decision's `picture` (done with). `idle`: the decision saw no prefill ahead of it on
+/// that engine.
 pub fn book(
     vm: &VmRef,
     cfg: &Config,
+    picture: Picture,
     id: LoadId,
     prefill: u32,
     decode: u32,
@@ -153,12 +171,13 @@ pub fn book(
         decode_tokens: decode.into(),
         rate: cfg.prefill_rate.map_or(RateNote::Keep, RateNote::Set),
     };
-    update(vm, cfg, id, delta).then_some(Booked {
+    let now = picture.now;
+    update(vm, cfg, id, delta, now, Some(picture)).then_some(Booked {
         id,
         prefill,
         decode,
         prefill_open: true,
-        at_ms: host::now_ms(),
+        at_ms: now,
         idle,
     })
 }
@@ -171,11 +190,10 @@ pub fn release_prefill(vm: &VmRef, cfg: &Config, b: &mut Booked) {
     }
     b.prefill_open = false;
     if b.prefill > 0 {
+        let now = host::now_ms();
         // Learned only from requests that found the engine idle (see `mirror::rate_sample`).
         let sample = match cfg.prefill_rate {
-            None if b.idle => {
-                mirror::rate_sample(b.prefill, host::now_ms().saturating_sub(b.at_ms))
-            }
+            None if b.idle => mirror::rate_sample(b.prefill, now.saturating_sub(b.at_ms)),
             _ => None,
         };
         let delta = LoadDelta {
@@ -183,7 +201,7 @@ pub fn release_prefill(vm: &VmRef, cfg: &Config, b: &mut Booked) {
             rate: sample.map_or(RateNote::Keep, RateNote::Sample),
             ..LoadDelta::default()
         };
-        update(vm, cfg, b.id, delta);
+        update(vm, cfg, b.id, delta, now, None);
     }
 }
 
@@ -199,7 +217,7 @@ pub fn release(vm: &VmRef, cfg: &Config, b: Booked) {
         decode_tokens: -i64::from(b.decode),
         rate: RateNote::Keep,
     };
-    update(vm, cfg, b.id, delta);
+    update(vm, cfg, b.id, delta, host::now_ms(), None);
 }
 
 /// The speculative table as read for a decision, kept for the write after it (one copy of
@@ -295,7 +313,9 @@ pub fn remember<S: Store>(
         }
         match HostStore.set(&key, &table, cas) {
             Ok(()) => {
-                host::increment_metric(vm.metrics.speculative_evictions, evicted);
+                if evicted > 0 {
+                    host::increment_metric(vm.metrics.speculative_evictions, evicted);
+                }
                 return;
             }
             Err(mirror::StoreError::CasMismatch) => continue,

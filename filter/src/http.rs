@@ -477,6 +477,7 @@ impl Http {
         self.route(
             vm,
             cfg,
+            picture,
             &to.address,
             to.runner.as_deref(),
             to.dp_rank,
@@ -492,6 +493,7 @@ impl Http {
         &mut self,
         vm: &VmRef,
         cfg: &Config,
+        picture: Picture,
         best: &str,
         runner: Option<&str>,
         dp_rank: Option<u32>,
@@ -525,7 +527,7 @@ impl Http {
             .decode_budget
             .unwrap_or(cfg.default_decode_tokens.into())
             .min(u32::MAX.into()) as u32;
-        self.routed = books::book(vm, cfg, load_id, prefill, decode, self.engine_idle);
+        self.routed = books::book(vm, cfg, picture, load_id, prefill, decode, self.engine_idle);
         if self.query_tokens > 0 {
             host::record_metric(
                 vm.metrics.matched_ratio_pct,

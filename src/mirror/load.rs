@@ -237,9 +237,39 @@ pub struct LoadDelta {
     pub rate: RateNote,
 }
 
-/// Adds `delta` to `id`'s load in `table` (made with `capacity` entries when empty),
-/// saturating at zero. Expired counts restart from zero. Returns `false` when the table is
-/// full of busy entries.
+/// Entries of a new table. Every request copies the table out of shared data and back (a
+/// read for its decision, a read and a write for its booking and each release), so it starts
+/// small and grows with the engines it counts, up to the configured capacity.
+pub const LOAD_MIN_ENTRIES: usize = 16;
+
+/// The entries of a well-formed table, `None` for a missing or foreign value.
+fn table_entries(table: &[u8]) -> Option<usize> {
+    let body = table.len().checked_sub(1)?;
+    (table.first() == Some(&LOAD_FORMAT) && body.is_multiple_of(LOAD_ENTRY) && body > 0)
+        .then_some(body / LOAD_ENTRY)
+}
+
+/// `table` rebuilt with `entries` entries, every id (idle ones too, for their learned rates)
+/// at its place for the new size.
+fn resized(table: &[u8], entries: usize) -> Vec<u8> {
+    let mut out = vec![0u8; 1 + entries * LOAD_ENTRY];
+    out[0] = LOAD_FORMAT;
+    for at in (1..table.len().saturating_sub(LOAD_ENTRY - 1)).step_by(LOAD_ENTRY) {
+        let id = LoadId(le_u64(table, at));
+        if id.0 == 0 {
+            continue;
+        }
+        if let Some((to, false)) = load_find(&out, id) {
+            out[to..to + LOAD_ENTRY].copy_from_slice(&table[at..at + LOAD_ENTRY]);
+        }
+    }
+    out
+}
+
+/// Adds `delta` to `id`'s load in `table`, saturating at zero. Expired counts restart from
+/// zero. A new table has [`LOAD_MIN_ENTRIES`] entries (at most `capacity`); it doubles, up to
+/// `capacity`, when a new id would fill it beyond three quarters. Returns `false` when the
+/// table is full of busy entries.
 pub fn load_add(
     table: &mut Vec<u8>,
     capacity: u32,
@@ -248,18 +278,32 @@ pub fn load_add(
     now_ms: u64,
     ttl_ms: u64,
 ) -> bool {
-    let cap = capacity.max(1) as usize;
-    if table.first() != Some(&LOAD_FORMAT)
-        || !(table.len() - 1).is_multiple_of(LOAD_ENTRY)
-        || (table.len() - 1) / LOAD_ENTRY != cap
-    {
-        table.clear();
-        table.push(LOAD_FORMAT);
-        table.resize(1 + cap * LOAD_ENTRY, 0);
-    }
-    let Some((at, found)) = load_find(table, id) else {
+    let max = capacity.max(1) as usize;
+    let mut cap = match table_entries(table) {
+        Some(n) if n <= max => n,
+        _ => {
+            *table = resized(&[], LOAD_MIN_ENTRIES.min(max));
+            LOAD_MIN_ENTRIES.min(max)
+        }
+    };
+    let Some((mut at, found)) = load_find(table, id) else {
         return false;
     };
+    if !found && cap < max {
+        let ids = (0..cap)
+            .filter(|i| le_u64(table, 1 + i * LOAD_ENTRY) != 0)
+            .count();
+        // Slot ids are dense from 1, so below this fill they land in place, and idle entries
+        // (which keep a learned rate) are not reused for another id.
+        if (ids + 1) * 4 > cap * 3 {
+            cap = (cap * 2).min(max);
+            *table = resized(table, cap);
+            match load_find(table, id) {
+                Some((a, false)) => at = a,
+                _ => return false,
+            }
+        }
+    }
     let (cur, rate) = if found {
         (entry_at(table, at, now_ms, ttl_ms), rate_at(table, at))
     } else {
@@ -348,4 +392,36 @@ pub fn load_update<S: Store>(
         }
     }
     Err(StoreError::CasMismatch)
+}
+
+/// [`load_update`] starting from the table as `seen` (read for the decision, and no longer
+/// needed) and its CAS token: while no other VM has written since, the change costs one
+/// write and no read. A token of 0 (no table was seen) or a lost race falls back to
+/// [`load_update`].
+///
+/// # Errors
+/// As [`load_update`].
+#[allow(clippy::too_many_arguments)]
+pub fn load_update_seen<S: Store>(
+    store: &S,
+    keys: &Keys,
+    seen: (Vec<u8>, u32),
+    capacity: u32,
+    id: LoadId,
+    delta: LoadDelta,
+    now_ms: u64,
+    ttl_ms: u64,
+) -> Result<bool, StoreError> {
+    let (mut table, cas) = seen;
+    if cas != 0 {
+        if !load_add(&mut table, capacity, id, delta, now_ms, ttl_ms) {
+            return Ok(false);
+        }
+        match store.set(&keys.load(), &table, cas) {
+            Ok(()) => return Ok(true),
+            Err(StoreError::CasMismatch) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    load_update(store, keys, capacity, id, delta, now_ms, ttl_ms)
 }

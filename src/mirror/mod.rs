@@ -51,7 +51,7 @@ pub use fleet::{read_fleet, update_fleet, Counts, Fleet, FleetWorker, Replica};
 pub use keys::{bucket_of, Keys, Limits, CAS_RETRIES, LAYOUT_VERSION};
 pub use load::{
     drain, learn_rate, load_add, load_clear_stale, load_entries, load_get, load_rate, load_update,
-    rate_sample, Load, LoadDelta, LoadId, RateNote, RATE_SAMPLE_MIN_TOKENS,
+    load_update_seen, rate_sample, Load, LoadDelta, LoadId, RateNote, RATE_SAMPLE_MIN_TOKENS,
 };
 pub use meta::{Alias, ApplyStats, Meta, WorkerSlot};
 pub use speculative::{spec_entry, spec_insert, spec_lookup, stored_depths, Insert, PROBE};
@@ -61,5 +61,7 @@ pub use sync::{
 };
 pub use views::{depth_keys, BucketView, Depth, PrefixView};
 
+#[cfg(test)]
+mod load_tests;
 #[cfg(test)]
 mod tests;

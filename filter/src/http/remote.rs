@@ -110,6 +110,7 @@ impl Http {
         self.route(
             vm,
             cfg,
+            picture,
             &best.address,
             runner,
             (best.dp.len() > 1).then_some(d.dp_rank),

@@ -362,6 +362,7 @@ impl Http {
         self.route(
             vm,
             cfg,
+            picture,
             &to.address,
             to.runner.as_deref(),
             to.dp_rank,
