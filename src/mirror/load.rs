@@ -286,24 +286,26 @@ pub fn load_add(
             LOAD_MIN_ENTRIES.min(max)
         }
     };
-    let Some((mut at, found)) = load_find(table, id) else {
+    // Slot ids are dense from 1, so below three quarters full they land in place, and idle
+    // entries (which keep a learned rate) are not reused for another id.
+    let grow = cap < max
+        && match load_find(table, id) {
+            Some((_, true)) => false,
+            Some((_, false)) => {
+                let ids = (0..cap)
+                    .filter(|i| le_u64(table, 1 + i * LOAD_ENTRY) != 0)
+                    .count();
+                (ids + 1) * 4 > cap * 3
+            }
+            None => true,
+        };
+    if grow {
+        cap = (cap * 2).min(max);
+        *table = resized(table, cap);
+    }
+    let Some((at, found)) = load_find(table, id) else {
         return false;
     };
-    if !found && cap < max {
-        let ids = (0..cap)
-            .filter(|i| le_u64(table, 1 + i * LOAD_ENTRY) != 0)
-            .count();
-        // Slot ids are dense from 1, so below this fill they land in place, and idle entries
-        // (which keep a learned rate) are not reused for another id.
-        if (ids + 1) * 4 > cap * 3 {
-            cap = (cap * 2).min(max);
-            *table = resized(table, cap);
-            match load_find(table, id) {
-                Some((a, false)) => at = a,
-                _ => return false,
-            }
-        }
-    }
     let (cur, rate) = if found {
         (entry_at(table, at, now_ms, ttl_ms), rate_at(table, at))
     } else {

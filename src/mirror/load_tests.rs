@@ -163,6 +163,17 @@ fn the_load_table_grows_with_its_ids_and_keeps_their_counts_and_rates() {
         "full"
     );
     assert_eq!(small.len(), 1 + 16 * 40);
+    // A larger capacity (the configuration grew) lets the full table double.
+    assert!(load_add(
+        &mut small,
+        256,
+        LoadId::slot(16),
+        delta(1, 1, 0),
+        0,
+        10_000
+    ));
+    assert_eq!(small.len(), 1 + 32 * 40);
+    assert_eq!(load_entries(&small, 0, 10_000).len(), 17);
     // A table larger than the capacity (the configuration shrank) restarts at the new size.
     assert!(load_add(
         &mut t,
