@@ -107,6 +107,10 @@ pub struct BenchArgs {
     /// Comma-separated scenarios: trace, replicas, burst, text (default: all).
     #[arg(long, value_delimiter = ',', default_values_t = SCENARIOS.map(|s| s.0.to_string()))]
     pub scenarios: Vec<String>,
+    /// Runs of each policy per scenario, interleaved across the policies. Tables, plots and
+    /// targets take each policy's run with the median TTFT p90; results list every run.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
     /// Output directory (results.json, results.md, PNG plots, per-request JSONL).
     #[arg(long, default_value = "bench-out")]
     pub out: PathBuf,

@@ -366,6 +366,7 @@ impl Ctx {
                 k.query_errors.load(std::sync::atomic::Ordering::Relaxed)
             }),
             gateway_stats,
+            runs_ttft_s: Vec::new(),
             no_wait_ttft_s: report::no_wait_ttft(
                 &per_request,
                 self.a.prefill_tokens_per_s,
@@ -493,13 +494,19 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
         } else {
             (&records, a.speed)
         };
-        let mut results = Vec::new();
-        for name in policies
+        let wanted: Vec<&str> = policies
             .iter()
-            .filter(|p| a.policies.iter().any(|x| x == *p))
-        {
-            results.push(ctx.run(scenario, name, recs, speed).await?);
+            .copied()
+            .filter(|p| a.policies.iter().any(|x| x == p))
+            .collect();
+        // Runs interleave (A, B, A, B, ...), so a slow phase of the machine hits every policy.
+        let mut runs: Vec<Vec<PolicyResult>> = vec![Vec::new(); wanted.len()];
+        for _ in 0..a.repeat.max(1) {
+            for (name, r) in wanted.iter().zip(runs.iter_mut()) {
+                r.push(ctx.run(scenario, name, recs, speed).await?);
+            }
         }
+        let results: Vec<PolicyResult> = runs.into_iter().filter_map(report::median_run).collect();
         write_scenario(&a, scenario, &results)?;
         all.push((scenario.to_string(), results));
     }
@@ -563,7 +570,7 @@ fn write_summary(a: &BenchArgs, all: &[(String, Vec<PolicyResult>)]) -> anyhow::
     let json = json!({
         "config": {
             "trace": a.trace.display().to_string(), "limit": a.limit,
-            "engines": a.engines, "speed": a.speed,
+            "engines": a.engines, "speed": a.speed, "repeat": a.repeat,
             "rate_scale": a.rate_scale, "block_size": a.block_size,
             "capacity_blocks": a.capacity_blocks, "prefill_tokens_per_s": a.prefill_tokens_per_s,
             "decode_ms_per_token": a.decode_ms_per_token, "seed": a.seed,

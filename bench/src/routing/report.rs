@@ -80,6 +80,9 @@ pub struct PolicyResult {
     /// uncached prompt at the engines' prefill rate plus the fixed first-token overhead, at
     /// the cache hits this policy got. No router can go below it without more hits.
     pub no_wait_ttft_s: [f64; 2],
+    /// TTFT p50 and p90 of every run (`--repeat`), in run order; this result is the run with
+    /// the median p90.
+    pub runs_ttft_s: Vec<[f64; 2]>,
     #[serde(skip)]
     pub results: Vec<RequestResult>,
 }
@@ -112,9 +115,30 @@ impl PolicyResult {
             query_errors: 0,
             gateway_stats: Default::default(),
             no_wait_ttft_s: [f64::NAN; 2],
+            runs_ttft_s: Vec::new(),
             results: Vec::new(),
         }
     }
+
+    /// The model TTFT p50 and p90 of this run (NaN when it did not run).
+    pub fn ttft_s(&self) -> [f64; 2] {
+        self.summary
+            .as_ref()
+            .map_or([f64::NAN; 2], |s| [s.model_ttft_p50_s, s.model_ttft_p90_s])
+    }
+}
+
+/// One result for several runs of a policy: the run with the median TTFT p90 (the lower
+/// middle one for an even count; runs that did not run sort last), with every run's p50 and
+/// p90 in [`PolicyResult::runs_ttft_s`]. `None` for no runs.
+pub fn median_run(runs: Vec<PolicyResult>) -> Option<PolicyResult> {
+    let all: Vec<[f64; 2]> = runs.iter().map(PolicyResult::ttft_s).collect();
+    let ran = all.iter().filter(|t| !t[1].is_nan()).count();
+    let mut runs = runs;
+    runs.sort_by(|a, b| a.ttft_s()[1].total_cmp(&b.ttft_s()[1]));
+    let mut median = runs.into_iter().nth(ran.saturating_sub(1) / 2)?;
+    median.runs_ttft_s = all;
+    Some(median)
 }
 
 /// One target of the benchmark, checked on a run.
@@ -369,6 +393,17 @@ pub fn table(results: &[PolicyResult]) -> String {
             _ => {}
         }
     }
+    if results.iter().any(|r| r.runs_ttft_s.len() > 1) {
+        t.push_str("\nEvery run (`--repeat`), TTFT p50 / p90; the table above holds each policy's run with the median p90:\n\n| policy | runs |\n|---|---|\n");
+        for r in results {
+            let runs: Vec<String> = r
+                .runs_ttft_s
+                .iter()
+                .map(|[p50, p90]| format!("{} / {}", ms(*p50), ms(*p90)))
+                .collect();
+            let _ = writeln!(t, "| {} | {} |", r.policy, runs.join(", "));
+        }
+    }
     t
 }
 
@@ -595,5 +630,38 @@ mod tests {
             .iter()
             .filter(|c| c.scenario == "trace")
             .all(|c| c.met.is_none()));
+    }
+
+    #[test]
+    fn repeated_runs_report_the_median_run_and_every_run() {
+        let runs = vec![
+            ran("kvroute", 500, 2.0),
+            ran("kvroute", 400, 1.0),
+            ran("kvroute", 300, 3.0),
+        ];
+        let m = median_run(runs).unwrap();
+        assert_eq!(
+            m.engines.cached_tokens,
+            [500],
+            "the run with the median p90"
+        );
+        assert_eq!(
+            m.runs_ttft_s.iter().map(|r| r[1]).collect::<Vec<_>>(),
+            [2.0, 1.0, 3.0],
+            "every run, in run order"
+        );
+        assert!(
+            table(&[m]).contains("| kvroute | 0 ms / 2000 ms, 0 ms / 1000 ms, 0 ms / 3000 ms |")
+        );
+        // Two runs: the lower middle; a run that did not happen sorts last.
+        let two = vec![
+            PolicyResult::skipped("x", "down".into()),
+            ran("x", 100, 2.0),
+            ran("x", 200, 1.0),
+        ];
+        assert_eq!(median_run(two).unwrap().engines.cached_tokens, [200]);
+        assert!(median_run(Vec::new()).is_none());
+        // One run: no list of runs in the table.
+        assert!(!table(&[median_run(vec![ran("y", 1, 1.0)]).unwrap()]).contains("Every run"));
     }
 }
