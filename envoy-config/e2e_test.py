@@ -569,7 +569,10 @@ class LoadE2E(E2E):
             for mode in ("slow", "down"):
                 e.proxy.mode = mode
                 seen = e.proxy.scrapes
-                K.wait_until(lambda: e.proxy.scrapes > seen + 1, 10,
+                # Two scrapes, so that one began after the switch. Failed scrapes back off
+                # exponentially up to the collector's MAX_BACKOFF (10 s), so two of them can
+                # be that far apart: wait for more than two of those.
+                K.wait_until(lambda: e.proxy.scrapes > seen + 1, 25,
                              f"the collector to scrape the {mode} /metrics")
                 t = fresh()
                 self.warm_and_wait(e, t)
