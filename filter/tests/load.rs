@@ -331,9 +331,9 @@ fn each_gateway_replica_prefers_its_share_of_the_engines() {
     assert_eq!(spread(off, "0/2"), [A, B], "affinity off");
     let no_fleet = json!({"load": {"fleet": false}});
     assert_eq!(spread(no_fleet, "0/2"), [A, B], "without fleet load: alone");
-    // Load beyond the spread (2,048 tokens) crosses over: with A busy, replica 0 uses B.
+    // Load beyond the spread (8,192 tokens) crosses over: with A busy, replica 0 uses B.
     let (mut gw, feed) = setup(json!({}));
-    feed.set_fleet(vec![fleet(0, 3, 8192, None)]);
+    feed.set_fleet(vec![fleet(0, 3, 16_384, None)]);
     feed.set_replica("0/2");
     sync(&mut gw);
     assert_eq!(hold(&mut gw, 5000).1, B);
