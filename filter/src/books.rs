@@ -132,20 +132,16 @@ fn update(
     now: u64,
     seen: Option<Picture>,
 ) -> bool {
-    let (cap, ttl) = (cfg.limits.max_workers, millis(cfg.load_ttl));
-    let ok = match seen {
-        Some(p) => mirror::load_update_seen(
-            &HostStore,
-            &vm.keys,
-            (p.table, p.cas),
-            cap,
-            id,
-            delta,
-            now,
-            ttl,
-        ),
-        None => mirror::load_update(&HostStore, &vm.keys, cap, id, delta, now, ttl),
-    };
+    let ok = mirror::load_update_seen(
+        &HostStore,
+        &vm.keys,
+        seen.map(|p| (p.table, p.cas)),
+        cfg.limits.max_workers,
+        id,
+        delta,
+        now,
+        millis(cfg.load_ttl),
+    );
     if !matches!(ok, Ok(true)) {
         host::increment_metric(vm.metrics.load_errors, 1);
         return false;
@@ -294,33 +290,23 @@ pub fn remember<S: Store>(
     else {
         return;
     };
-    let key = vm.keys.speculative(shard);
-    let mut first = read.map(|r| (r.table, r.cas));
-    for _ in 0..mirror::CAS_RETRIES {
-        let (mut table, cas) = match first.take() {
-            Some(r) => r,
-            None => match HostStore.get(&key) {
-                Ok((value, cas)) => (value.unwrap_or_default(), cas),
-                Err(_) => break,
-            },
-        };
-        let mut evicted = 0;
-        for &(d, k) in &keys {
-            if spec_insert(&mut table, SPECULATIVE_ENTRIES, k, slot, d, now, ttl) == Insert::Evicted
-            {
-                evicted += 1;
+    let mut evicted = 0;
+    let wrote = mirror::update_value(
+        &HostStore,
+        &vm.keys.speculative(shard),
+        read.map(|r| (r.table, r.cas)),
+        |table| {
+            evicted = 0;
+            for &(d, k) in &keys {
+                let ins = spec_insert(table, SPECULATIVE_ENTRIES, k, slot, d, now, ttl);
+                evicted += i64::from(ins == Insert::Evicted);
             }
-        }
-        match HostStore.set(&key, &table, cas) {
-            Ok(()) => {
-                if evicted > 0 {
-                    host::increment_metric(vm.metrics.speculative_evictions, evicted);
-                }
-                return;
-            }
-            Err(mirror::StoreError::CasMismatch) => continue,
-            Err(_) => break,
-        }
+            true
+        },
+    );
+    match wrote {
+        Ok(_) if evicted > 0 => host::increment_metric(vm.metrics.speculative_evictions, evicted),
+        Ok(_) => {}
+        Err(_) => host::increment_metric(vm.metrics.load_errors, 1),
     }
-    host::increment_metric(vm.metrics.load_errors, 1);
 }

@@ -20,8 +20,8 @@
 
 use crate::codec::le_u64;
 
-use super::keys::{Keys, CAS_RETRIES, LAYOUT_VERSION};
-use super::store::{Store, StoreError};
+use super::keys::{Keys, LAYOUT_VERSION};
+use super::store::{update_value, Store, StoreError};
 
 /// In-flight load of one worker (local mode: a slot; remote mode: an instance).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -370,7 +370,7 @@ pub fn load_clear_stale(table: &mut [u8], id: LoadId, older_than_ms: u64) -> boo
 /// [`load_add`] on the shared load key, with CAS retries.
 ///
 /// # Errors
-/// A host failure, or [`StoreError::CasMismatch`] after [`CAS_RETRIES`] lost races.
+/// A host failure, or [`StoreError::CasMismatch`] after [`CAS_RETRIES`](super::CAS_RETRIES) lost races.
 pub fn load_update<S: Store>(
     store: &S,
     keys: &Keys,
@@ -380,26 +380,15 @@ pub fn load_update<S: Store>(
     now_ms: u64,
     ttl_ms: u64,
 ) -> Result<bool, StoreError> {
-    let key = keys.load();
-    for _ in 0..CAS_RETRIES {
-        let (value, cas) = store.get(&key)?;
-        let mut table = value.unwrap_or_default();
-        if !load_add(&mut table, capacity, id, delta, now_ms, ttl_ms) {
-            return Ok(false);
-        }
-        match store.set(&key, &table, cas) {
-            Ok(()) => return Ok(true),
-            Err(StoreError::CasMismatch) => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Err(StoreError::CasMismatch)
+    update_value(store, &keys.load(), None, |t| {
+        load_add(t, capacity, id, delta, now_ms, ttl_ms)
+    })
 }
 
 /// [`load_update`] starting from the table as `seen` (read for the decision, and no longer
 /// needed) and its CAS token: while no other VM has written since, the change costs one
-/// write and no read. A token of 0 (no table was seen) or a lost race falls back to
-/// [`load_update`].
+/// write and no read. `None`, a token of 0 (no table was seen) or a lost race falls back to
+/// reading it.
 ///
 /// # Errors
 /// As [`load_update`].
@@ -407,23 +396,15 @@ pub fn load_update<S: Store>(
 pub fn load_update_seen<S: Store>(
     store: &S,
     keys: &Keys,
-    seen: (Vec<u8>, u32),
+    seen: Option<(Vec<u8>, u32)>,
     capacity: u32,
     id: LoadId,
     delta: LoadDelta,
     now_ms: u64,
     ttl_ms: u64,
 ) -> Result<bool, StoreError> {
-    let (mut table, cas) = seen;
-    if cas != 0 {
-        if !load_add(&mut table, capacity, id, delta, now_ms, ttl_ms) {
-            return Ok(false);
-        }
-        match store.set(&keys.load(), &table, cas) {
-            Ok(()) => return Ok(true),
-            Err(StoreError::CasMismatch) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    load_update(store, keys, capacity, id, delta, now_ms, ttl_ms)
+    let first = seen.filter(|(_, cas)| *cas != 0);
+    update_value(store, &keys.load(), first, |t| {
+        load_add(t, capacity, id, delta, now_ms, ttl_ms)
+    })
 }

@@ -199,7 +199,7 @@ fn a_booking_over_the_decisions_read_never_loses_a_write_made_since() {
     assert!(load_update_seen(
         &store,
         &keys,
-        (seen.clone(), cas),
+        Some((seen.clone(), cas)),
         8,
         b,
         delta(1, 5, 0),
@@ -212,7 +212,17 @@ fn a_booking_over_the_decisions_read_never_loses_a_write_made_since() {
     assert_eq!(load_get(&t, a, 1, 1000), counts(1, 10, 0));
     assert_eq!(load_get(&t, b, 1, 1000), counts(1, 5, 0));
     // Another VM wrote since (b's booking): the stale read is dropped, nothing is lost.
-    assert!(load_update_seen(&store, &keys, (seen, cas), 8, a, delta(1, 1, 0), 2, 1000).unwrap());
+    assert!(load_update_seen(
+        &store,
+        &keys,
+        Some((seen, cas)),
+        8,
+        a,
+        delta(1, 1, 0),
+        2,
+        1000
+    )
+    .unwrap());
     let t = store.get(&keys.load()).unwrap().0.unwrap();
     assert_eq!(load_get(&t, a, 2, 1000), counts(2, 11, 0));
     assert_eq!(
@@ -224,7 +234,7 @@ fn a_booking_over_the_decisions_read_never_loses_a_write_made_since() {
     assert!(load_update_seen(
         &store,
         &keys,
-        (Vec::new(), 0),
+        Some((Vec::new(), 0)),
         8,
         b,
         delta(-1, -5, 0),

@@ -55,7 +55,7 @@ pub use load::{
 };
 pub use meta::{Alias, ApplyStats, Meta, WorkerSlot};
 pub use speculative::{spec_entry, spec_insert, spec_lookup, stored_depths, Insert, PROBE};
-pub use store::{MemStore, Store, StoreError};
+pub use store::{update_value, MemStore, Store, StoreError};
 pub use sync::{
     acquire_lease, apply_page, next_vm_id, read_state, Applied, Build, Lease, SyncError, SyncState,
 };

@@ -3,6 +3,8 @@
 
 use core::cell::{Cell, RefCell};
 
+use super::keys::CAS_RETRIES;
+
 /// Shared data as the filter sees it.
 pub trait Store {
     /// The value of `key` (`None` when missing or empty) and its CAS token (0 when missing).
@@ -28,6 +30,39 @@ pub enum StoreError {
     /// The host returned this status.
     #[error("host status {0}")]
     Host(u32),
+}
+
+/// Read-modify-write of `key` with up to [`CAS_RETRIES`] reads: `change` edits the value
+/// (empty when absent) and says whether to write it. `first`: the value and CAS token a
+/// caller already read, tried once before reading again. Returns whether it wrote.
+///
+/// # Errors
+/// A host failure, or [`StoreError::CasMismatch`] when every attempt lost a race.
+pub fn update_value<S: Store>(
+    store: &S,
+    key: &str,
+    first: Option<(Vec<u8>, u32)>,
+    mut change: impl FnMut(&mut Vec<u8>) -> bool,
+) -> Result<bool, StoreError> {
+    let mut first = first;
+    for _ in 0..CAS_RETRIES + u32::from(first.is_some()) {
+        let (mut value, cas) = match first.take() {
+            Some(f) => f,
+            None => {
+                let (v, cas) = store.get(key)?;
+                (v.unwrap_or_default(), cas)
+            }
+        };
+        if !change(&mut value) {
+            return Ok(false);
+        }
+        match store.set(key, &value, cas) {
+            Ok(()) => return Ok(true),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(StoreError::CasMismatch)
 }
 
 /// A [`Store`] over an in-memory map with Envoy's semantics (CAS checked only on existing

@@ -131,10 +131,9 @@ impl PolicyResult {
 /// One result for several runs of a policy: the run with the median TTFT p90 (the lower
 /// middle one for an even count; runs that did not run sort last), with every run's p50 and
 /// p90 in [`PolicyResult::runs_ttft_s`]. `None` for no runs.
-pub fn median_run(runs: Vec<PolicyResult>) -> Option<PolicyResult> {
+pub fn median_run(mut runs: Vec<PolicyResult>) -> Option<PolicyResult> {
     let all: Vec<[f64; 2]> = runs.iter().map(PolicyResult::ttft_s).collect();
     let ran = all.iter().filter(|t| !t[1].is_nan()).count();
-    let mut runs = runs;
     runs.sort_by(|a, b| a.ttft_s()[1].total_cmp(&b.ttft_s()[1]));
     let mut median = runs.into_iter().nth(ran.saturating_sub(1) / 2)?;
     median.runs_ttft_s = all;
