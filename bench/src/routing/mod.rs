@@ -29,6 +29,7 @@
 pub mod args;
 pub mod burst;
 pub mod fleet;
+pub mod floor;
 pub mod gateway;
 pub mod peers;
 pub mod policy;
@@ -510,7 +511,19 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
         write_scenario(&a, scenario, &results)?;
         all.push((scenario.to_string(), results));
     }
-    write_summary(&a, &all)?;
+    let floor = a.scenarios.iter().any(|s| s == "trace").then(|| {
+        floor::fleet_lru_ttft(
+            &records,
+            floor::FleetShape {
+                capacity_tokens: a.engines * a.capacity_blocks * a.block_size,
+                prefill_tokens_per_s: a.prefill_tokens_per_s,
+                overhead_s: kvroute_sim::engine::EngineConfig::default()
+                    .prefill_overhead
+                    .as_secs_f64(),
+            },
+        )
+    });
+    write_summary(&a, &all, floor)?;
     Ok(())
 }
 
@@ -551,8 +564,13 @@ fn write_scenario(a: &BenchArgs, scenario: &str, results: &[PolicyResult]) -> an
     Ok(())
 }
 
-fn write_summary(a: &BenchArgs, all: &[(String, Vec<PolicyResult>)]) -> anyhow::Result<()> {
-    let targets = report::targets(all);
+/// `floor`: [`floor::fleet_lru_ttft`] of the trace scenario, when it ran.
+fn write_summary(
+    a: &BenchArgs,
+    all: &[(String, Vec<PolicyResult>)],
+    floor: Option<([f64; 2], f64)>,
+) -> anyhow::Result<()> {
+    let targets = report::targets(all, floor.map(|f| f.0));
     let mut md = String::new();
     for (scenario, results) in all {
         md.push_str(&format!("### {scenario}\n\n{}\n", report::table(results)));
@@ -580,6 +598,9 @@ fn write_summary(a: &BenchArgs, all: &[(String, Vec<PolicyResult>)]) -> anyhow::
                       "tail_tokens": a.burst_tail_tokens, "cold": a.burst_cold},
         },
         "scenarios": scenarios,
+        "fleet_lru_floor": floor.map(|([p50, p90], hit_rate)| json!({
+            "ttft_p50_s": p50, "ttft_p90_s": p90, "hit_rate": hit_rate,
+        })),
         "targets": targets,
     });
     std::fs::write(
