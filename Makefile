@@ -17,7 +17,7 @@ FIXTURES   := $(foreach f,$(wildcard host-test/fixtures/*/Cargo.toml),-p $(shell
 
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all setup wasm native lint layout test test-rust test-e2e bench bench-routing bench-collector bench-ingest-stall bench-soak bench-latency demo clean js js-tools test-js bench-js
+.PHONY: all setup wasm wasm-unbooked native lint layout test test-rust test-e2e bench bench-routing bench-collector bench-ingest-stall bench-soak bench-latency demo clean js js-tools test-js bench-js
 
 all: wasm native
 
@@ -69,8 +69,15 @@ test-e2e: wasm
 	KVROUTE_PROFILE=debug python3 envoy-config/e2e_test.py
 	KVROUTE_PROFILE=debug python3 envoy-config/e2e_text_test.py
 
+## The filter without its load books (feature bench-unbooked), for the host bench only: the
+## bookkeeping line prices the books as the difference. Never shipped.
+UNBOOKED_TARGET_DIR := $(TARGET_DIR)/unbooked
+wasm-unbooked: setup
+	$(CARGO) build -j$(JOBS) --release --target wasm32-wasip1 -p kvroute-filter --features bench-unbooked --target-dir $(UNBOOKED_TARGET_DIR)
+	cp $(UNBOOKED_TARGET_DIR)/wasm32-wasip1/release/kvroute_filter.wasm $(WASM_OUT)/kvroute_filter_unbooked.wasm
+
 ## make bench: criterion benchmarks of the core, the collector and the filter in the host.
-bench: setup wasm
+bench: setup wasm wasm-unbooked
 	$(CARGO) bench -j$(JOBS) -p kvroute
 	$(CARGO) run -j$(JOBS) --profile bench -p kvroute --example memory
 	$(CARGO) bench -j$(JOBS) -p kvroute-host-test

@@ -118,6 +118,16 @@ fn gateway(image: &[(String, Vec<u8>)]) -> Gateway {
 /// A gateway on `image`; `extra`: more top-level keys of the filter's JSON config (`"k": v,`).
 fn gateway_with(image: &[(String, Vec<u8>)], with_fuel: bool, extra: &str) -> Gateway {
     let wasm = built_wasm("kvroute_filter").unwrap_or_else(|e| panic!("{e}: run make wasm"));
+    gateway_of(wasm, image, with_fuel, extra)
+}
+
+/// [`gateway_with`] of the filter at `wasm`.
+fn gateway_of(
+    wasm: std::path::PathBuf,
+    image: &[(String, Vec<u8>)],
+    with_fuel: bool,
+    extra: &str,
+) -> Gateway {
     let config = format!(
         r#"{{{extra}"collector":{{"cluster":"kvroute_collector"}},"index":{{"stale_after_ms":3600000}}}}"#
     );
@@ -195,18 +205,24 @@ fn cold_request<'g>(
 }
 
 /// The decision's bookkeeping (issue 10: the load picture read, the booking, its two
-/// releases, the speculative entry), on a one-block prompt nobody holds. Three requests of it,
-/// measured in interleaved rounds (the best batch of each, so drift hits all three alike):
+/// releases, the speculative entry), on a one-block prompt nobody holds. Four requests of it,
+/// measured in interleaved rounds (the best batch of each, so drift hits all alike):
 /// - `unrouted`: for a model with no instances (intake and the staleness check only);
 /// - `deferred`: the filter configured to leave cold requests to Envoy (`route.cold: defer`):
 ///   the lookup, the speculative lookup and the load picture, but no decision and no books;
 /// - `booked`: decided, headers set, booked, released at the first body bytes and at the end,
-///   remembered as a speculative entry.
+///   remembered as a speculative entry;
+/// - `unbooked`: the same with `kvroute_filter_unbooked.wasm` (`make wasm-unbooked`: the
+///   filter built with its books cut out), when it is built.
 ///
-/// `booked − unrouted` bounds the bookkeeping from above with the lookup inside; `booked −
-/// deferred` holds the decision, the headers, the booking, the releases and the speculative
-/// entry. Fuel (wasm operators, exact) is given beside each.
+/// `booked − deferred` holds the decision, the headers, the books and the speculative entry;
+/// `booked − unbooked` is the books alone: the booking and its two releases. Fuel (wasm
+/// operators, exact) is given beside each.
 fn bookkeeping_lines(image: &[(String, Vec<u8>)], n: u64) {
+    let unbooked_wasm = built_wasm("kvroute_filter_unbooked").ok();
+    if unbooked_wasm.is_none() {
+        println!("bookkeeping: no kvroute_filter_unbooked.wasm (make wasm-unbooked): the books are not priced apart");
+    }
     for (label, extra) in [
         ("", ""),
         (" (speculative entries off)", r#""speculative_ttl_ms":0,"#),
@@ -215,16 +231,23 @@ fn bookkeeping_lines(image: &[(String, Vec<u8>)], n: u64) {
         let defer_cfg = format!(r#""route":{{{extra}"cold":"defer"}},"#);
         // The same configuration runs at different speeds in different wasmtime instances
         // (up to 1.7× apart here, steadily): three of each, the quickest counts.
-        let mut decide: Vec<Gateway> = (0..3)
-            .map(|_| gateway_with(image, false, &decide_cfg))
+        let three = |cfg: &str| -> Vec<Gateway> {
+            (0..3).map(|_| gateway_with(image, false, cfg)).collect()
+        };
+        let mut decide = three(&decide_cfg);
+        let mut defer = three(&defer_cfg);
+        let mut unbooked: Vec<Gateway> = unbooked_wasm
+            .iter()
+            .flat_map(|w| (0..3).map(|_| gateway_of(w.clone(), image, false, &decide_cfg)))
             .collect();
-        let mut defer: Vec<Gateway> = (0..3)
-            .map(|_| gateway_with(image, false, &defer_cfg))
-            .collect();
-        for gw in decide.iter_mut().chain(defer.iter_mut()) {
+        for gw in decide
+            .iter_mut()
+            .chain(defer.iter_mut())
+            .chain(unbooked.iter_mut())
+        {
             bench::run(gw, n / 5 + 1, |_, r| cold_request(r, "m")).unwrap();
         }
-        let mut best = [Duration::MAX; 3];
+        let mut best = [Duration::MAX; 4];
         let batch = n / 20 + 1;
         let time = |gw: &mut Gateway, model: &str| {
             bench::run(gw, batch, |_, r| cold_request(r, model))
@@ -232,30 +255,44 @@ fn bookkeeping_lines(image: &[(String, Vec<u8>)], n: u64) {
                 .wall_per_request()
         };
         for _ in 0..ROUNDS {
-            for (a, b) in decide.iter_mut().zip(defer.iter_mut()) {
-                let times = [time(a, "absent"), time(b, "m"), time(a, "m")];
+            for (i, (a, b)) in decide.iter_mut().zip(defer.iter_mut()).enumerate() {
+                let mut times = vec![time(a, "absent"), time(b, "m"), time(a, "m")];
+                if let Some(c) = unbooked.get_mut(i) {
+                    times.push(time(c, "m"));
+                }
                 for (best, t) in best.iter_mut().zip(times) {
                     *best = (*best).min(t);
                 }
             }
         }
-        drop((decide, defer));
+        drop((decide, defer, unbooked));
         let fuels = {
             let mut decide = gateway_with(image, true, &decide_cfg);
             let mut defer = gateway_with(image, true, &defer_cfg);
-            [
+            let mut f = vec![
                 fuel(&mut decide, |r| cold_request(r, "absent")),
                 fuel(&mut defer, |r| cold_request(r, "m")),
                 fuel(&mut decide, |r| cold_request(r, "m")),
-            ]
+            ];
+            if let Some(w) = &unbooked_wasm {
+                let mut c = gateway_of(w.clone(), image, true, &decide_cfg);
+                f.push(fuel(&mut c, |r| cold_request(r, "m")));
+            }
+            f
         };
-        let [u, d, b] = best;
+        let [u, d, b, x] = best;
         println!(
             "bookkeeping{label}: unrouted {:.1} us ({} fuel), deferred {:.1} us ({} fuel), booked {:.1} us ({} fuel); booked - unrouted {:.1} us, booked - deferred {:.1} us ({} fuel)",
             us(u), fuels[0], us(d), fuels[1], us(b), fuels[2],
             us(b.saturating_sub(u)), us(b.saturating_sub(d)),
             fuels[2].saturating_sub(fuels[1]),
         );
+        if let Some(&fx) = fuels.get(3) {
+            println!(
+                "bookkeeping{label}, the books apart: unbooked {:.1} us ({fx} fuel); booked - unbooked {:.1} us ({} fuel)",
+                us(x), us(b.saturating_sub(x)), fuels[2].saturating_sub(fx),
+            );
+        }
     }
 }
 
