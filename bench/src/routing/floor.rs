@@ -1,11 +1,14 @@
-//! A floor no router reaches on a trace: every request's TTFT had it waited for nothing, with
-//! the cache hits it would find were the fleet's caches one LRU cache of their combined size.
+//! A router-independent floor for a trace's TTFT: every request's TTFT had it waited for
+//! nothing, with the cache hits it would find were the fleet's caches one LRU cache of their
+//! combined size.
 //!
-//! Why this bound: a router picks engines, not what they keep. Engines evict least recently
-//! used blocks, and sending a prefix to two engines only spends room twice, so the fleet as one
-//! LRU is (for all practical routing) the most a router's hits can be; and no queue is the
-//! least its waits can be. A TTFT target below this floor asks for something routing cannot
-//! give at that load; the targets table prints it beside the bound it concerns.
+//! Why this reference: a router picks engines, not what they keep. Engines evict the least
+//! recently used blocks, and sending a prefix to two engines only spends room twice, so the
+//! fleet as one LRU is about the most hits routing can buy, and no queue is the least wait.
+//! It is not a strict bound (four separate caches fed by a router keep other prefixes than
+//! one shared cache would, so a policy's own hits can land elsewhere), but a TTFT target
+//! well below it asks for something routing cannot give at that load. The targets table
+//! prints it beside the bound it concerns, next to the policy's own no-wait TTFT.
 
 use std::collections::{BTreeMap, HashMap};
 
