@@ -368,6 +368,7 @@ impl Ctx {
             }),
             gateway_stats,
             runs_ttft_s: Vec::new(),
+            runs_hit_rate: Vec::new(),
             no_wait_ttft_s: report::no_wait_ttft(
                 &per_request,
                 self.a.prefill_tokens_per_s,

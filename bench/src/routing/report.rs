@@ -83,6 +83,10 @@ pub struct PolicyResult {
     /// TTFT p50 and p90 of every run (`--repeat`), in run order; this result is the run with
     /// the median p90.
     pub runs_ttft_s: Vec<[f64; 2]>,
+    /// The prefix hit rate of every run that happened, in run order. Hit rates are compared
+    /// by their mean over runs ([`PolicyResult::hit_rate`]): with ~60 hits in 2,000 requests, a
+    /// few hits more or less move one run's rate by 0.3 points.
+    pub runs_hit_rate: Vec<f64>,
     #[serde(skip)]
     pub results: Vec<RequestResult>,
 }
@@ -116,7 +120,17 @@ impl PolicyResult {
             gateway_stats: Default::default(),
             no_wait_ttft_s: [f64::NAN; 2],
             runs_ttft_s: Vec::new(),
+            runs_hit_rate: Vec::new(),
             results: Vec::new(),
+        }
+    }
+
+    /// The prefix hit rate: the mean over [`PolicyResult::runs_hit_rate`] when it holds runs,
+    /// else this run's.
+    pub fn hit_rate(&self) -> f64 {
+        match self.runs_hit_rate.len() {
+            0 => self.engines.hit_rate(),
+            n => self.runs_hit_rate.iter().sum::<f64>() / n as f64,
         }
     }
 
@@ -133,10 +147,16 @@ impl PolicyResult {
 /// p90 in [`PolicyResult::runs_ttft_s`]. `None` for no runs.
 pub fn median_run(mut runs: Vec<PolicyResult>) -> Option<PolicyResult> {
     let all: Vec<[f64; 2]> = runs.iter().map(PolicyResult::ttft_s).collect();
+    let hits: Vec<f64> = runs
+        .iter()
+        .filter(|r| r.summary.is_some())
+        .map(|r| r.engines.hit_rate())
+        .collect();
     let ran = all.iter().filter(|t| !t[1].is_nan()).count();
     runs.sort_by(|a, b| a.ttft_s()[1].total_cmp(&b.ttft_s()[1]));
     let mut median = runs.into_iter().nth(ran.saturating_sub(1) / 2)?;
     median.runs_ttft_s = all;
+    median.runs_hit_rate = hits;
     Some(median)
 }
 
@@ -241,10 +261,10 @@ pub fn targets(
     );
     check(
         "trace",
-        "hit rate ≥ the oracle's",
+        "hit rate ≥ the oracle's (mean over runs)",
         kv,
         or,
-        &|r| r.engines.hit_rate(),
+        &PolicyResult::hit_rate,
         1.0,
         true,
     );
@@ -269,7 +289,7 @@ pub fn targets(
     );
     // Issue 14. "Within 2 %" is relative: exact text keeps ≥ 98 % of the token-id path's hit
     // rate (stricter than 2 points at any hit rate below 100 %); above it is no miss.
-    let hit = |r: &PolicyResult| r.engines.hit_rate();
+    let hit = PolicyResult::hit_rate;
     let ids = find(all, "text", "kvroute-ids");
     for exact in ["kvroute-text-chat", "kvroute-text-prompt"] {
         check(
@@ -362,6 +382,10 @@ pub fn targets_table(t: &[TargetCheck]) -> String {
     s
 }
 
+fn pct(rate: f64) -> String {
+    format!("{:.1} %", rate * 100.0)
+}
+
 fn ms(s: f64) -> String {
     if s.is_nan() {
         "–".into()
@@ -409,14 +433,22 @@ pub fn table(results: &[PolicyResult]) -> String {
         }
     }
     if results.iter().any(|r| r.runs_ttft_s.len() > 1) {
-        t.push_str("\nEvery run (`--repeat`), TTFT p50 / p90; the table above holds each policy's run with the median p90:\n\n| policy | runs |\n|---|---|\n");
+        t.push_str("\nEvery run (`--repeat`), TTFT p50 / p90; the table above holds each policy's run with the median p90. Hit rates are compared by their mean over runs:\n\n| policy | runs | hit rate of each run | mean |\n|---|---|---|---|\n");
         for r in results {
             let runs: Vec<String> = r
                 .runs_ttft_s
                 .iter()
                 .map(|[p50, p90]| format!("{} / {}", ms(*p50), ms(*p90)))
                 .collect();
-            let _ = writeln!(t, "| {} | {} |", r.policy, runs.join(", "));
+            let hits: Vec<String> = r.runs_hit_rate.iter().map(|h| pct(*h)).collect();
+            let _ = writeln!(
+                t,
+                "| {} | {} | {} | {} |",
+                r.policy,
+                runs.join(", "),
+                hits.join(", "),
+                pct(r.hit_rate())
+            );
         }
     }
     t
@@ -668,16 +700,22 @@ mod tests {
             [2.0, 1.0, 3.0],
             "every run, in run order"
         );
-        assert!(
-            table(&[m]).contains("| kvroute | 0 ms / 2000 ms, 0 ms / 1000 ms, 0 ms / 3000 ms |")
-        );
-        // Two runs: the lower middle; a run that did not happen sorts last.
+        // The hit rate compared is the mean over runs (50, 40 and 30 % here), not the median
+        // run's 50 %.
+        assert!((m.hit_rate() - 0.4).abs() < 1e-9, "{}", m.hit_rate());
+        assert!(table(&[m]).contains(
+            "| kvroute | 0 ms / 2000 ms, 0 ms / 1000 ms, 0 ms / 3000 ms | 50.0 %, 40.0 %, 30.0 % | 40.0 % |"
+        ));
+        // Two runs: the lower middle; a run that did not happen sorts last, and has no hit
+        // rate to count.
         let two = vec![
             PolicyResult::skipped("x", "down".into()),
             ran("x", 100, 2.0),
             ran("x", 200, 1.0),
         ];
-        assert_eq!(median_run(two).unwrap().engines.cached_tokens, [200]);
+        let m = median_run(two).unwrap();
+        assert_eq!(m.engines.cached_tokens, [200]);
+        assert!((m.hit_rate() - 0.15).abs() < 1e-9, "{}", m.hit_rate());
         assert!(median_run(Vec::new()).is_none());
         // One run: no list of runs in the table.
         assert!(!table(&[median_run(vec![ran("y", 1, 1.0)]).unwrap()]).contains("Every run"));
