@@ -201,26 +201,17 @@ pub fn take_fleet(vm: &Vm, page: &Page, now: u64, excludes_own: bool, replica: R
     if idle.is_empty() {
         return;
     }
-    let key = vm.keys.load();
-    for _ in 0..mirror::CAS_RETRIES {
-        let Ok((Some(mut table), cas)) = HostStore.get(&key) else {
-            return;
-        };
-        let cut = now.saturating_sub(LEAK_AGE_MS);
-        let cleared = idle
+    let cut = now.saturating_sub(LEAK_AGE_MS);
+    let mut cleared = 0;
+    // A missing table clears nothing, so nothing is written.
+    let wrote = mirror::update_value(&HostStore, &vm.keys.load(), None, |table| {
+        cleared = idle
             .iter()
-            .filter(|s| mirror::load_clear_stale(&mut table, LoadId::slot(**s), cut))
+            .filter(|s| mirror::load_clear_stale(table, LoadId::slot(**s), cut))
             .count();
-        if cleared == 0 {
-            return;
-        }
-        match HostStore.set(&key, &table, cas) {
-            Ok(()) => {
-                host::increment_metric(vm.metrics.leaks_repaired, cleared as i64);
-                return;
-            }
-            Err(mirror::StoreError::CasMismatch) => continue,
-            Err(_) => return,
-        }
+        cleared > 0
+    });
+    if matches!(wrote, Ok(true)) {
+        host::increment_metric(vm.metrics.leaks_repaired, cleared as i64);
     }
 }

@@ -197,6 +197,44 @@ fn a_saturated_engine_gets_no_cold_request_and_stale_samples_are_ignored() {
     }
 }
 
+/// A request whose end never reached the books (a lost `on_log`) leaks its counts; an engine
+/// that reports itself idle in two fresh samples, while the books are older than the leak
+/// age, clears them.
+#[test]
+fn leaked_books_are_cleared_after_two_idle_samples() {
+    let (mut gw, feed) = setup(json!({"load": {"gateway_id": "gw-1"}}));
+    let (_held, on) = hold(&mut gw, 1000);
+    let slot = if on == A { 0 } else { 1 };
+    let idle = EngineSample {
+        waiting: 0,
+        running: 0,
+        kv_permille: 0,
+        age_ms: 0,
+        stale: false,
+    };
+    feed.set_fleet(vec![fleet(slot, 1, 64, Some(idle))]);
+    // Fresh samples, but the booking is younger than the leak age: kept.
+    for _ in 0..5 {
+        sync(&mut gw);
+    }
+    assert_eq!(gw.metric("kvroute.leaks_repaired").unwrap_or(0), 0);
+    let booked = feed.reports().last().map(|r| r["workers"].clone());
+    assert_eq!(
+        booked.as_ref().and_then(|w| w.as_array()).map(Vec::len),
+        Some(1)
+    );
+    // Past the leak age, the next idle samples clear the entry, once.
+    for _ in 0..10 {
+        sync(&mut gw);
+    }
+    assert_eq!(gw.metric("kvroute.leaks_repaired"), Some(1));
+    assert_eq!(
+        feed.reports().last().map(|r| r["workers"].clone()),
+        Some(json!([])),
+        "the report no longer counts the leaked request"
+    );
+}
+
 #[test]
 fn a_speculative_entry_routes_a_sibling_until_it_expires() {
     let (mut gw, _feed) = setup(json!({}));

@@ -8,8 +8,8 @@
 use crate::codec::{le_u16, le_u64};
 use crate::feed::{EngineSample, Op};
 
-use super::keys::{Keys, CAS_RETRIES, LAYOUT_VERSION};
-use super::store::{Store, StoreError};
+use super::keys::{Keys, LAYOUT_VERSION};
+use super::store::{update_value, Store, StoreError};
 
 /// Load counts of one worker: what a gateway books, reports and reads back from the fleet.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -262,24 +262,19 @@ pub fn read_fleet<S: Store>(store: &S, keys: &Keys) -> Fleet {
 /// Read-modify-write of the fleet value with CAS retries; `change` returns whether to write.
 ///
 /// # Errors
-/// A host failure, or [`StoreError::CasMismatch`] after [`CAS_RETRIES`] lost races.
+/// A host failure, or [`StoreError::CasMismatch`] after [`CAS_RETRIES`](super::CAS_RETRIES) lost races.
 pub fn update_fleet<S: Store>(
     store: &S,
     keys: &Keys,
     mut change: impl FnMut(&mut Fleet) -> bool,
 ) -> Result<(), StoreError> {
-    let key = keys.fleet();
-    for _ in 0..CAS_RETRIES {
-        let (value, cas) = store.get(&key)?;
-        let mut fleet = value.map(|v| Fleet::decode(&v)).unwrap_or_default();
-        if !change(&mut fleet) {
-            return Ok(());
+    update_value(store, &keys.fleet(), None, |v: &mut Vec<u8>| {
+        let mut fleet = Fleet::decode(v);
+        let write = change(&mut fleet);
+        if write {
+            *v = fleet.encode();
         }
-        match store.set(&key, &fleet.encode(), cas) {
-            Ok(()) => return Ok(()),
-            Err(StoreError::CasMismatch) => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Err(StoreError::CasMismatch)
+        write
+    })
+    .map(|_| ())
 }

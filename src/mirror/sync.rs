@@ -7,9 +7,9 @@ use crate::feed::{Op, Page};
 use crate::scope::BlockKey;
 
 use super::buckets::{BucketRef, BucketRows};
-use super::keys::{bucket_of, Keys, Limits, CAS_RETRIES, LAYOUT_VERSION};
+use super::keys::{bucket_of, Keys, Limits, LAYOUT_VERSION};
 use super::meta::{ApplyStats, Meta};
-use super::store::{Store, StoreError};
+use super::store::{update_value, Store, StoreError};
 
 /// A full resync in progress, built into the inactive generation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -202,19 +202,15 @@ pub fn acquire_lease<S: Store>(
 /// Hands out a unique VM id from the shared counter.
 ///
 /// # Errors
-/// A host failure, or [`StoreError::CasMismatch`] after [`CAS_RETRIES`] lost races.
+/// A host failure, or [`StoreError::CasMismatch`] after [`CAS_RETRIES`](super::CAS_RETRIES) lost races.
 pub fn next_vm_id<S: Store>(store: &S, keys: &Keys) -> Result<u64, StoreError> {
-    let key = keys.vm_seq();
-    for _ in 0..CAS_RETRIES {
-        let (value, cas) = store.get(&key)?;
-        let n = value.as_deref().map(|v| le_u64(v, 0)).unwrap_or(0) + 1;
-        match store.set(&key, &n.to_le_bytes(), cas) {
-            Ok(()) => return Ok(n),
-            Err(StoreError::CasMismatch) => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Err(StoreError::CasMismatch)
+    let mut n = 0;
+    update_value(store, &keys.vm_seq(), None, |v| {
+        n = le_u64(v, 0) + 1;
+        *v = n.to_le_bytes().to_vec();
+        true
+    })?;
+    Ok(n)
 }
 
 /// Reads the sync state (default when missing or unreadable) and its CAS token.
