@@ -19,6 +19,7 @@
 //! Run: `make wasm && cargo bench -p kvroute-filter --bench benches` (env `KVROUTE_BENCH_N`
 //! sets the requests per case, default 300).
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -122,12 +123,7 @@ fn gateway_with(image: &[(String, Vec<u8>)], with_fuel: bool, extra: &str) -> Ga
 }
 
 /// [`gateway_with`] of the filter at `wasm`.
-fn gateway_of(
-    wasm: std::path::PathBuf,
-    image: &[(String, Vec<u8>)],
-    with_fuel: bool,
-    extra: &str,
-) -> Gateway {
+fn gateway_of(wasm: PathBuf, image: &[(String, Vec<u8>)], with_fuel: bool, extra: &str) -> Gateway {
     let config = format!(
         r#"{{{extra}"collector":{{"cluster":"kvroute_collector"}},"index":{{"stale_after_ms":3600000}}}}"#
     );
@@ -219,6 +215,7 @@ fn cold_request<'g>(
 /// `booked − unbooked` is the books alone: the booking and its two releases. Fuel (wasm
 /// operators, exact) is given beside each.
 fn bookkeeping_lines(image: &[(String, Vec<u8>)], n: u64) {
+    let filter = built_wasm("kvroute_filter").unwrap_or_else(|e| panic!("{e}: run make wasm"));
     let unbooked_wasm = built_wasm("kvroute_filter_unbooked").ok();
     if unbooked_wasm.is_none() {
         println!("bookkeeping: no kvroute_filter_unbooked.wasm (make wasm-unbooked): the books are not priced apart");
@@ -231,15 +228,16 @@ fn bookkeeping_lines(image: &[(String, Vec<u8>)], n: u64) {
         let defer_cfg = format!(r#""route":{{{extra}"cold":"defer"}},"#);
         // The same configuration runs at different speeds in different wasmtime instances
         // (up to 1.7× apart here, steadily): three of each, the quickest counts.
-        let three = |cfg: &str| -> Vec<Gateway> {
-            (0..3).map(|_| gateway_with(image, false, cfg)).collect()
+        let three = |wasm: &PathBuf, cfg: &str| -> Vec<Gateway> {
+            (0..3)
+                .map(|_| gateway_of(wasm.clone(), image, false, cfg))
+                .collect()
         };
-        let mut decide = three(&decide_cfg);
-        let mut defer = three(&defer_cfg);
-        let mut unbooked: Vec<Gateway> = unbooked_wasm
-            .iter()
-            .flat_map(|w| (0..3).map(|_| gateway_of(w.clone(), image, false, &decide_cfg)))
-            .collect();
+        let mut decide = three(&filter, &decide_cfg);
+        let mut defer = three(&filter, &defer_cfg);
+        let mut unbooked = unbooked_wasm
+            .as_ref()
+            .map_or_else(Vec::new, |w| three(w, &decide_cfg));
         for gw in decide
             .iter_mut()
             .chain(defer.iter_mut())
@@ -267,8 +265,8 @@ fn bookkeeping_lines(image: &[(String, Vec<u8>)], n: u64) {
         }
         drop((decide, defer, unbooked));
         let fuels = {
-            let mut decide = gateway_with(image, true, &decide_cfg);
-            let mut defer = gateway_with(image, true, &defer_cfg);
+            let mut decide = gateway_of(filter.clone(), image, true, &decide_cfg);
+            let mut defer = gateway_of(filter.clone(), image, true, &defer_cfg);
             let mut f = vec![
                 fuel(&mut decide, |r| cold_request(r, "absent")),
                 fuel(&mut defer, |r| cold_request(r, "m")),

@@ -380,9 +380,7 @@ pub fn load_update<S: Store>(
     now_ms: u64,
     ttl_ms: u64,
 ) -> Result<bool, StoreError> {
-    update_value(store, &keys.load(), None, |t| {
-        load_add(t, capacity, id, delta, now_ms, ttl_ms)
-    })
+    load_update_seen(store, keys, None, capacity, id, delta, now_ms, ttl_ms)
 }
 
 /// [`load_update`] starting from the table as `seen` (read for the decision, and no longer

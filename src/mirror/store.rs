@@ -41,10 +41,9 @@ pub enum StoreError {
 pub fn update_value<S: Store>(
     store: &S,
     key: &str,
-    first: Option<(Vec<u8>, u32)>,
+    mut first: Option<(Vec<u8>, u32)>,
     mut change: impl FnMut(&mut Vec<u8>) -> bool,
 ) -> Result<bool, StoreError> {
-    let mut first = first;
     for _ in 0..CAS_RETRIES + u32::from(first.is_some()) {
         let (mut value, cas) = match first.take() {
             Some(f) => f,

@@ -191,8 +191,8 @@ pub fn targets(
     all: &[(String, Vec<PolicyResult>)],
     fleet_floor: Option<[f64; 2]>,
 ) -> Vec<TargetCheck> {
-    let p50 = |r: &PolicyResult| r.summary.as_ref().map_or(f64::NAN, |s| s.model_ttft_p50_s);
-    let p90 = |r: &PolicyResult| r.summary.as_ref().map_or(f64::NAN, |s| s.model_ttft_p90_s);
+    let p50 = |r: &PolicyResult| r.ttft_s()[0];
+    let p90 = |r: &PolicyResult| r.ttft_s()[1];
     let mut out = Vec::new();
     let mut check = |scenario,
                      target: &str,
@@ -324,28 +324,27 @@ pub fn targets(
         bound: b,
         met: (!m.is_nan() && !b.is_nan()).then_some(m < b),
     });
-    // The floor beside the p90 bound (after it): a bound below it cannot be met by routing.
-    let floor = kv.map_or(f64::NAN, |k| k.no_wait_ttft_s[1]);
-    out.insert(
-        2,
-        TargetCheck {
-            scenario: "trace",
-            target: "(reference) kvroute's TTFT p90 had no request waited, vs the 0.9× bound"
-                .into(),
-            measured: floor,
-            bound: vr.map_or(f64::NAN, |v| p90(v) * 0.9),
-            met: None,
-        },
-    );
-    out.insert(
-        3,
-        TargetCheck {
-            scenario: "trace",
-            target: "(reference) TTFT p90 had no request waited, the fleet's caches one LRU (router-independent), vs the 0.9× bound".into(),
-            measured: fleet_floor.map_or(f64::NAN, |f| f[1]),
-            bound: vr.map_or(f64::NAN, |v| p90(v) * 0.9),
-            met: None,
-        },
+    // The floors beside the p90 bound (after it): a bound below them cannot be met by routing.
+    let bound = vr.map_or(f64::NAN, |v| p90(v) * 0.9);
+    let reference = |target: &str, measured: f64| TargetCheck {
+        scenario: "trace",
+        target: target.into(),
+        measured,
+        bound,
+        met: None,
+    };
+    out.splice(
+        2..2,
+        [
+            reference(
+                "(reference) kvroute's TTFT p90 had no request waited, vs the 0.9× bound",
+                kv.map_or(f64::NAN, |k| k.no_wait_ttft_s[1]),
+            ),
+            reference(
+                "(reference) TTFT p90 had no request waited, the fleet's caches one LRU (router-independent), vs the 0.9× bound",
+                fleet_floor.map_or(f64::NAN, |f| f[1]),
+            ),
+        ],
     );
     let load = kv.map(|k| k.engines.request_spread());
     out.push(TargetCheck {
