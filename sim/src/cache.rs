@@ -97,6 +97,8 @@ pub struct KvCache {
     free: BTreeMap<u64, usize>,
     next_stamp: u64,
     running: HashMap<RequestId, Vec<usize>>,
+    /// Deferred admissions: the first prompt block not cached yet (bounded like `running`).
+    uncommitted: HashMap<RequestId, usize>,
     next_request: u64,
 }
 
@@ -115,6 +117,7 @@ impl KvCache {
             free: BTreeMap::new(),
             next_stamp: 0,
             running: HashMap::new(),
+            uncommitted: HashMap::new(),
             next_request: 0,
         };
         for b in 0..cfg.capacity_blocks {
@@ -261,8 +264,172 @@ impl KvCache {
         })
     }
 
+    /// [`KvCache::try_admit_hashed`] for an engine that computes prompts in chunks over
+    /// several steps: the blocks are allocated (evictions in the returned events) but the new
+    /// full prompt blocks are cached only as [`KvCache::commit`] reports them computed, as vLLM
+    /// caches a block once its KV exists. A request admitted meanwhile cannot hit work that is
+    /// not done yet.
+    ///
+    /// # Errors
+    /// As [`KvCache::try_admit`].
+    pub fn try_admit_deferred(
+        &mut self,
+        prompt: &[u32],
+        hashes: &[EngineHash],
+        output_tokens: usize,
+    ) -> Result<Admission, AdmitError> {
+        let total = self.blocks_needed(prompt.len(), output_tokens);
+        if total > self.cfg.capacity_blocks {
+            return Err(AdmitError::TooLarge {
+                needed: total,
+                capacity: self.cfg.capacity_blocks,
+            });
+        }
+        let hit = self.hit_blocks(hashes, prompt.len());
+        let hit_ids: Vec<usize> = hashes[..hit].iter().map(|h| self.by_hash[h]).collect();
+        let hit_free = hit_ids
+            .iter()
+            .filter(|&&b| self.blocks[b].ref_cnt == 0)
+            .count();
+        let fresh = total - hit;
+        if self.free.len() < fresh + hit_free {
+            return Err(AdmitError::NotEnoughFree {
+                needed: fresh + hit_free,
+                free: self.free.len(),
+            });
+        }
+        for &b in &hit_ids {
+            self.take_ref(b);
+        }
+        let mut events = Vec::new();
+        let mut ids = hit_ids;
+        for _ in 0..fresh {
+            ids.push(self.take_fresh(&mut events));
+        }
+        let request = RequestId(self.next_request);
+        self.next_request += 1;
+        self.running.insert(request, ids);
+        self.uncommitted.insert(request, hit);
+        Ok(Admission {
+            request,
+            cached_tokens: hit * self.cfg.block_size_tokens,
+            events,
+        })
+    }
+
+    /// Caches the full prompt blocks of a deferred admission that lie within its first
+    /// `computed_tokens` tokens and are not cached yet; returns their `BlockStored` runs. A
+    /// hash another block caches already is skipped, as in [`KvCache::try_admit`]. `prompt`
+    /// and `hashes` are the admission's. Unknown or immediate admissions change nothing.
+    pub fn commit(
+        &mut self,
+        request: RequestId,
+        prompt: &[u32],
+        hashes: &[EngineHash],
+        computed_tokens: usize,
+    ) -> Vec<CacheEvent> {
+        let bs = self.cfg.block_size_tokens;
+        let (Some(&from), Some(ids)) = (self.uncommitted.get(&request), self.running.get(&request))
+        else {
+            return Vec::new();
+        };
+        let to = (computed_tokens / bs).min(hashes.len()).min(ids.len());
+        if to <= from {
+            return Vec::new();
+        }
+        let ids: Vec<usize> = ids[from..to].to_vec();
+        let mut events = Vec::new();
+        let mut run: Option<(Option<EngineHash>, Vec<EngineHash>, Vec<u32>)> = None;
+        for (i, &b) in (from..to).zip(&ids) {
+            let h = hashes[i];
+            if self.by_hash.contains_key(&h) {
+                if let Some((parent, hs, toks)) = run.take() {
+                    events.push(CacheEvent::BlockStored {
+                        parent,
+                        hashes: hs,
+                        token_ids: toks,
+                    });
+                }
+                continue;
+            }
+            self.blocks[b].hash = Some(h);
+            self.by_hash.insert(h, b);
+            let (_, hs, toks) = run.get_or_insert_with(|| {
+                (i.checked_sub(1).map(|p| hashes[p]), Vec::new(), Vec::new())
+            });
+            hs.push(h);
+            toks.extend_from_slice(&prompt[i * bs..(i + 1) * bs]);
+        }
+        if let Some((parent, hs, toks)) = run {
+            events.push(CacheEvent::BlockStored {
+                parent,
+                hashes: hs,
+                token_ids: toks,
+            });
+        }
+        self.uncommitted.insert(request, to);
+        events
+    }
+
+    /// Grows a running request's blocks to hold `tokens` tokens (its KV as decoding goes on),
+    /// taking fresh blocks from the free queue's front and evicting what was cached there.
+    /// The new blocks are never cached: they hold output tokens. Unknown ids change nothing.
+    ///
+    /// # Errors
+    /// [`AdmitError::NotEnoughFree`] when the free queue is too short (nothing is changed).
+    pub fn try_grow(
+        &mut self,
+        request: RequestId,
+        tokens: usize,
+    ) -> Result<Vec<CacheEvent>, AdmitError> {
+        let need = tokens.div_ceil(self.cfg.block_size_tokens);
+        let Some(have) = self.running.get(&request).map(Vec::len) else {
+            return Ok(Vec::new());
+        };
+        if need <= have {
+            return Ok(Vec::new());
+        }
+        let fresh = need - have;
+        if self.free.len() < fresh {
+            return Err(AdmitError::NotEnoughFree {
+                needed: fresh,
+                free: self.free.len(),
+            });
+        }
+        let mut events = Vec::new();
+        let mut new_ids = Vec::with_capacity(fresh);
+        for _ in 0..fresh {
+            new_ids.push(self.take_fresh(&mut events));
+        }
+        if let Some(ids) = self.running.get_mut(&request) {
+            ids.extend(new_ids);
+        }
+        Ok(events)
+    }
+
+    /// Blocks a running request holds (0 if unknown).
+    pub fn request_blocks(&self, request: RequestId) -> usize {
+        self.running.get(&request).map_or(0, Vec::len)
+    }
+
+    /// Takes the free queue's front block for a request, evicting its hash.
+    fn take_fresh(&mut self, events: &mut Vec<CacheEvent>) -> usize {
+        let (_, b) = self
+            .free
+            .pop_first()
+            .expect("caller checked the free count");
+        self.blocks[b].free_stamp = None;
+        if let Some(old) = self.blocks[b].hash.take() {
+            self.by_hash.remove(&old);
+            events.push(CacheEvent::BlockRemoved { hash: old });
+        }
+        self.blocks[b].ref_cnt = 1;
+        b
+    }
+
     /// Releases a finished request's blocks, tail first. Unknown ids are ignored.
     pub fn finish(&mut self, request: RequestId) {
+        self.uncommitted.remove(&request);
         if let Some(ids) = self.running.remove(&request) {
             for &b in ids.iter().rev() {
                 let block = &mut self.blocks[b];
@@ -734,5 +901,64 @@ mod tests {
         );
         assert_eq!(split_steps(ev.clone(), 100), vec![ev]);
         assert!(split_steps(Vec::new(), 4).is_empty());
+    }
+
+    #[test]
+    fn deferred_admission_caches_blocks_only_as_they_are_committed() {
+        let mut c = cache(10);
+        let p = prompt(1, 9); // 4 full blocks of 2 and one token
+        let hashes = c.engine_hashes(&p);
+        let a = c.try_admit_deferred(&p, &hashes, 0).unwrap();
+        assert!(a.events.is_empty(), "nothing evicted, nothing stored yet");
+        assert_eq!(c.cached_prefix_tokens(&p), 0, "no hit on uncomputed blocks");
+        let ev = c.commit(a.request, &p, &hashes, 5);
+        assert_eq!(
+            ev,
+            vec![CacheEvent::BlockStored {
+                parent: None,
+                hashes: hashes[..2].to_vec(),
+                token_ids: p[..4].to_vec(),
+            }]
+        );
+        assert_eq!(c.cached_prefix_tokens(&p), 4);
+        let ev = c.commit(a.request, &p, &hashes, 9);
+        assert_eq!(
+            ev,
+            vec![CacheEvent::BlockStored {
+                parent: Some(hashes[1]),
+                hashes: hashes[2..4].to_vec(),
+                token_ids: p[4..8].to_vec(),
+            }]
+        );
+        assert!(c.commit(a.request, &p, &hashes, 9).is_empty(), "once");
+        // A second request hits the committed blocks; its own copy of nothing is stored.
+        let b = c.try_admit_deferred(&p, &hashes, 0).unwrap();
+        assert_eq!(b.cached_tokens, 8);
+        assert!(c.commit(b.request, &p, &hashes, 9).is_empty());
+    }
+
+    #[test]
+    fn grow_takes_uncached_blocks_evicting_and_fails_when_full() {
+        let mut c = cache(4);
+        let old = prompt(2, 5);
+        let a = c.try_admit(&old, 0).unwrap();
+        c.finish(a.request);
+        let p = prompt(3, 3);
+        let b = c.try_admit(&p, 0).unwrap();
+        assert_eq!(c.request_blocks(b.request), 2);
+        assert!(
+            c.try_grow(b.request, 4).unwrap().is_empty(),
+            "fits in 2 blocks"
+        );
+        // The free queue's front is the old request's tail, then its first block.
+        let ev = c.try_grow(b.request, 6).unwrap();
+        assert_eq!(ev.len(), 1, "{ev:?}");
+        assert_eq!(c.request_blocks(b.request), 3);
+        assert_eq!(
+            c.try_grow(b.request, 10),
+            Err(AdmitError::NotEnoughFree { needed: 2, free: 1 })
+        );
+        assert_eq!(c.request_blocks(b.request), 3, "unchanged on failure");
+        assert_eq!(c.used_blocks(), 3);
     }
 }

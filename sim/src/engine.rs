@@ -1,7 +1,13 @@
 //! A simulated LLM engine: vLLM's scheduling and prefix caching reduced to their effect on
 //! time to first token, behind an OpenAI-style HTTP API, publishing real-format KV events.
 //!
-//! # Model
+//! Two timing models, chosen per engine by [`EngineConfig::engine_model`]: the serial model
+//! below (the default, the one the router's defaults were tuned on), and the stepped model
+//! of [`stepped`], vLLM V1's scheduler step by step, where decodes share each step's token
+//! budget and time with prefill chunks, and a full KV cache preempts. Both keep the same
+//! cache, KV events, HTTP API, headers, `/metrics` and `speed`.
+//!
+//! # Model (serial)
 //!
 //! - Each data-parallel rank has its own [`KvCache`], waiting queue and KV-event publisher
 //!   (ports offset by the rank, as vLLM does).
@@ -46,7 +52,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch, Notify};
 
 use crate::cache::{AdmitError, CacheConfig, CacheEvent, KvCache, RequestId};
 use crate::engine_hash::HashScheme;
@@ -55,6 +61,9 @@ use crate::tokenizer;
 use crate::wire::{self, EventFormat, Extras};
 
 mod http;
+pub mod stepped;
+
+pub use stepped::StepCosts;
 
 /// Response header: prompt tokens served from the prefix cache.
 pub const HEADER_CACHED_TOKENS: &str = "x-kvroute-sim-cached-tokens";
@@ -68,11 +77,29 @@ pub const HEADER_MODEL_TTFT_US: &str = "x-kvroute-sim-model-ttft-us";
 /// Request header honoured by vLLM and SGLang to pick a data-parallel rank.
 pub const HEADER_REQUEST_DP_RANK: &str = "x-data-parallel-rank";
 
+/// The timing model of an engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineModel {
+    /// One FCFS prefill server per rank, then a fixed time per output token (module docs).
+    #[default]
+    Serial,
+    /// vLLM V1's scheduler: steps with a token budget shared by decodes and chunked prefill,
+    /// step time growing with its work, preemption by recompute ([`stepped`]).
+    #[value(name = "vllm", alias = "stepped")]
+    Stepped,
+}
+
 /// Engine settings. Defaults: see the module docs.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     /// Instance id, reported in [`HEADER_ENGINE`] and `/v1/models`.
     pub name: String,
+    /// Timing model (default [`EngineModel::Serial`]). The stepped model uses
+    /// `prefill_tokens_per_s`, `max_running`, `max_batched_tokens` (its step budget) and
+    /// `step_costs`; `prefill_overhead` and `decode_per_token` are the serial model's only.
+    pub engine_model: EngineModel,
+    /// Step costs of the stepped model (defaults: [`stepped`]'s module docs).
+    pub step_costs: StepCosts,
     /// Served model name.
     pub model: String,
     /// Paged cache per rank.
@@ -120,6 +147,8 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             name: "sim-0".to_string(),
+            engine_model: EngineModel::Serial,
+            step_costs: StepCosts::default(),
             model: "sim-model".to_string(),
             cache: CacheConfig {
                 block_size_tokens: 16,
@@ -158,6 +187,8 @@ pub struct RankStats {
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub requests_finished: u64,
+    /// Running requests preempted for KV space (stepped model; vLLM `num_preemptions`).
+    pub preemptions: u64,
 }
 
 struct Pending {
@@ -179,12 +210,47 @@ struct RankState {
     prefill_free_at: Instant,
     stats: RankStats,
     journal: Vec<Vec<CacheEvent>>,
+    /// The stepped model's scheduler and clients (`None` for the serial model).
+    stepped: Option<StepRank>,
+}
+
+impl RankState {
+    /// Requests queued for admission, either model.
+    fn waiting_len(&self) -> usize {
+        self.waiting.len() + self.stepped.as_ref().map_or(0, |s| s.sched.waiting())
+    }
+}
+
+/// A stepped rank: its scheduler, and the client of each request it holds.
+struct StepRank {
+    sched: stepped::Scheduler,
+    /// One per request in `sched` (bounded by it).
+    clients: std::collections::HashMap<stepped::Key, Client>,
+}
+
+/// The engine's side of a stepped request: where its progress goes.
+struct Client {
+    progress: watch::Sender<Progress>,
+    arrived_at: Instant,
+}
+
+/// A stepped request's progress, as its client sees it.
+#[derive(Clone, Copy, Debug, Default)]
+struct Progress {
+    /// Output tokens sampled so far.
+    generated: usize,
+    /// When the first one was (due at the end of its step).
+    first_token_at: Option<Instant>,
+    /// Prompt tokens served from the cache at the first admission.
+    cached_tokens: usize,
 }
 
 struct Rank {
     index: u32,
     state: Mutex<RankState>,
     publisher: Option<Publisher>,
+    /// Wakes the stepped model's driver task when work arrives.
+    wake: Arc<Notify>,
 }
 
 /// A running engine (all its ranks). Cheap to clone.
@@ -198,6 +264,17 @@ struct Inner {
     scheme: HashScheme,
     ranks: Vec<Rank>,
     next: AtomicU64,
+    /// Simulated time 0 of the stepped model's clocks.
+    epoch: Instant,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Stepped drivers hold no strong reference while idle: wake them to see it is gone.
+        for r in &self.ranks {
+            r.wake.notify_one();
+        }
+    }
 }
 
 impl std::fmt::Debug for Engine {
@@ -248,6 +325,8 @@ pub struct Running {
     pub output_tokens: usize,
     /// When the engine received the request.
     pub arrived_at: Instant,
+    /// Stepped model: the tokens as its steps sample them (dropping it aborts the request).
+    progress: Option<watch::Receiver<Progress>>,
 }
 
 impl Running {
@@ -265,16 +344,40 @@ impl Running {
             .mul_f64(self.engine.inner.cfg.speed)
     }
 
-    /// Real time per output token.
+    /// Real time per output token (serial model; the stepped model's steps decide).
     pub fn token_interval(&self) -> Duration {
         self.engine.wall(self.engine.inner.cfg.decode_per_token)
+    }
+
+    /// Waits until the first `n` output tokens are out (all of them sooner if `n` is larger).
+    pub async fn wait_tokens(&mut self, n: usize) {
+        match &mut self.progress {
+            None => {
+                let due = self.first_token_at
+                    + self.token_interval() * (n.min(self.output_tokens).saturating_sub(1)) as u32;
+                tokio::time::sleep_until(due.into()).await;
+            }
+            Some(rx) => {
+                let n = n.min(self.output_tokens);
+                // An error is a dropped engine: nothing more will come.
+                let _ = rx.wait_for(|p| p.generated >= n).await;
+            }
+        }
+    }
+
+    /// The id its output tokens derive from.
+    pub(crate) fn id(&self) -> u64 {
+        self.request.0
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
-        self.engine
-            .finish(self.rank, self.request, self.output_tokens);
+        // A stepped request is aborted by its driver when it sees the receiver gone.
+        if self.progress.is_none() {
+            self.engine
+                .finish(self.rank, self.request, self.output_tokens);
+        }
     }
 }
 
@@ -330,18 +433,37 @@ impl Engine {
                     prefill_free_at: now,
                     stats: RankStats::default(),
                     journal: Vec::new(),
+                    stepped: (cfg.engine_model == EngineModel::Stepped).then(|| StepRank {
+                        sched: stepped::Scheduler::new(stepped::SchedConfig {
+                            budget_tokens: cfg.max_batched_tokens,
+                            max_running: cfg.max_running,
+                            prefill_tokens_per_s: cfg.prefill_tokens_per_s,
+                            costs: cfg.step_costs,
+                        }),
+                        clients: Default::default(),
+                    }),
                 }),
                 publisher,
+                wake: Arc::new(Notify::new()),
             });
         }
-        Ok(Engine {
+        let engine = Engine {
             inner: Arc::new(Inner {
                 cfg,
                 scheme,
                 ranks,
                 next: AtomicU64::new(0),
+                epoch: now,
             }),
-        })
+        };
+        if engine.inner.cfg.engine_model == EngineModel::Stepped {
+            for r in 0..engine.inner.ranks.len() {
+                let weak = Arc::downgrade(&engine.inner);
+                let wake = engine.inner.ranks[r].wake.clone();
+                tokio::spawn(drive(weak, r, wake));
+            }
+        }
+        Ok(engine)
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -375,7 +497,10 @@ impl Engine {
         let st = r.state.lock().expect("rank lock");
         let mut s = st.stats;
         s.running = st.cache.running();
-        s.waiting = st.waiting.len();
+        s.waiting = st.waiting_len();
+        if let Some(sr) = &st.stepped {
+            s.preemptions = sr.sched.preemptions();
+        }
         s.kv_usage =
             st.cache.used_blocks() as f64 / st.cache.config().capacity_blocks.max(1) as f64;
         s.cached_blocks = st.cache.cached_blocks();
@@ -436,7 +561,7 @@ impl Engine {
         let mut all = true;
         for rank in &self.inner.ranks {
             let mut st = rank.state.lock().expect("rank lock");
-            if !st.waiting.is_empty() {
+            if st.waiting_len() > 0 {
                 all = false;
                 continue;
             }
@@ -446,6 +571,26 @@ impl Engine {
                     self.publish(rank, &mut st, vec![ev]);
                 }
                 None => all = false,
+            }
+        }
+        all
+    }
+
+    /// Empties every rank's cache without publishing anything and numbers the next event
+    /// batch 0, as a restarted process does: subscribers learn of it from the seq alone. The
+    /// counters are kept (they span the whole run). Returns false if some rank still runs or
+    /// queues requests (nothing is changed there).
+    pub fn restart_empty(&self) -> bool {
+        let mut all = true;
+        for rank in &self.inner.ranks {
+            let mut st = rank.state.lock().expect("rank lock");
+            if !st.waiting.is_empty() || st.cache.clear().is_none() {
+                all = false;
+                continue;
+            }
+            st.prefill_free_at = Instant::now();
+            if let Some(p) = &rank.publisher {
+                p.resume_seq(0);
             }
         }
         all
@@ -463,7 +608,7 @@ impl Engine {
         let mut best = (usize::MAX, 0u32);
         for rank in &self.inner.ranks {
             let st = rank.state.lock().expect("rank lock");
-            let load = st.cache.running() + st.waiting.len();
+            let load = st.cache.running() + st.waiting_len();
             if load < best.0 {
                 best = (load, rank.index);
             }
@@ -497,6 +642,11 @@ impl Engine {
             .inner
             .scheme
             .hashes(&prompt, cfg.cache.block_size_tokens);
+        if cfg.engine_model == EngineModel::Stepped {
+            return self
+                .submit_stepped(r, prompt, hashes, output_tokens, arrived_at)
+                .await;
+        }
         {
             let rank = &self.inner.ranks[r as usize];
             let mut st = rank.state.lock().expect("rank lock");
@@ -517,6 +667,7 @@ impl Engine {
                 first_token_at: a.first_token_at,
                 output_tokens,
                 arrived_at,
+                progress: None,
             }),
             Ok(Err(AdmitError::TooLarge { needed, capacity })) => {
                 Err(EngineError::TooLarge { needed, capacity })
@@ -603,5 +754,176 @@ impl Engine {
 
     fn next_id(&self) -> u64 {
         self.inner.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Simulated time of `t` on the stepped clocks.
+    fn sim_time(&self, t: Instant) -> Duration {
+        t.saturating_duration_since(self.inner.epoch)
+            .mul_f64(self.inner.cfg.speed)
+    }
+
+    /// The instant of simulated time `sim`.
+    fn wall_time(&self, sim: Duration) -> Instant {
+        self.inner.epoch + self.wall(sim)
+    }
+
+    /// [`Engine::submit`] on a stepped rank: queues the request and waits for its first token.
+    async fn submit_stepped(
+        &self,
+        r: u32,
+        prompt: Vec<u32>,
+        hashes: Vec<kvroute::event::EngineHash>,
+        output_tokens: usize,
+        arrived_at: Instant,
+    ) -> Result<Running, EngineError> {
+        let rank = &self.inner.ranks[r as usize];
+        let key = stepped::Key(self.next_id());
+        let (tx, mut rx) = watch::channel(Progress::default());
+        {
+            let mut st = rank.state.lock().expect("rank lock");
+            // The serial model's admission check: a request that can never fit is refused.
+            let needed = st.cache.blocks_needed(prompt.len(), output_tokens);
+            let capacity = st.cache.config().capacity_blocks;
+            if needed > capacity {
+                return Err(EngineError::TooLarge { needed, capacity });
+            }
+            let arrived = self.sim_time(arrived_at);
+            let sr = st.stepped.as_mut().expect("a stepped rank");
+            sr.sched
+                .add(key, Arc::new(prompt), hashes, output_tokens, arrived);
+            sr.clients.insert(
+                key,
+                Client {
+                    progress: tx,
+                    arrived_at,
+                },
+            );
+        }
+        rank.wake.notify_one();
+        let first = match rx.wait_for(|p| p.generated >= 1).await {
+            Ok(p) => *p,
+            Err(_) => return Err(EngineError::Stopped),
+        };
+        Ok(Running {
+            engine: self.clone(),
+            rank: r,
+            request: RequestId(key.0),
+            cached_tokens: first.cached_tokens,
+            first_token_at: first.first_token_at.unwrap_or(arrived_at),
+            output_tokens,
+            arrived_at,
+            progress: Some(rx),
+        })
+    }
+
+    /// Schedules a stepped rank's next step at its clock (`None`: nothing to do). Aborts the
+    /// requests whose clients went away, publishes the step's evictions.
+    fn begin_step(&self, r: usize) -> Option<stepped::Plan> {
+        let rank = &self.inner.ranks[r];
+        let mut guard = rank.state.lock().expect("rank lock");
+        let st = &mut *guard;
+        let sr = st.stepped.as_mut().expect("a stepped rank");
+        let gone: Vec<stepped::Key> = sr
+            .clients
+            .iter()
+            .filter(|(_, c)| c.progress.is_closed())
+            .map(|(k, _)| *k)
+            .collect();
+        for k in gone {
+            sr.clients.remove(&k);
+            sr.sched.abort(k, &mut st.cache);
+        }
+        if !sr.sched.has_work() {
+            return None;
+        }
+        // The clock runs on from the last step (its timer may fire late), but never lags
+        // real time by more than MAX_LAG; an idle rank jumps to the next arrival.
+        let now = self.sim_time(Instant::now());
+        sr.sched
+            .advance_to(now.saturating_sub(MAX_LAG.mul_f64(self.inner.cfg.speed)));
+        if sr.sched.running() == 0 {
+            if let Some(t) = sr.sched.next_arrival() {
+                sr.sched.advance_to(t);
+            }
+        }
+        let plan = sr.sched.schedule(&mut st.cache);
+        for a in &plan.admitted {
+            st.stats.prefix_queries_tokens += a.prompt_tokens as u64;
+            st.stats.prefix_hits_tokens += a.cached_tokens as u64;
+            st.stats.prompt_tokens += a.prompt_tokens as u64;
+            if let Some(c) = sr.clients.get(&a.key) {
+                c.progress
+                    .send_modify(|p| p.cached_tokens = a.cached_tokens);
+            }
+        }
+        if !plan.events.is_empty() {
+            let events = plan.events.clone();
+            self.publish(rank, st, events);
+        }
+        Some(plan)
+    }
+
+    /// Ends a stepped rank's step: publishes the blocks it computed, hands out its tokens.
+    fn end_step(&self, r: usize, plan: stepped::Plan) {
+        let rank = &self.inner.ranks[r];
+        let mut guard = rank.state.lock().expect("rank lock");
+        let st = &mut *guard;
+        let sr = st.stepped.as_mut().expect("a stepped rank");
+        let done = sr.sched.complete(plan, &mut st.cache);
+        let at = self.wall_time(done.at);
+        let interval = self.inner.cfg.stream_interval_tokens.max(1);
+        for s in &done.sampled {
+            st.stats.generation_tokens += 1;
+            if s.finished {
+                st.stats.requests_finished += 1;
+            }
+            let Some(c) = sr.clients.get(&s.key) else {
+                continue;
+            };
+            // The first token is due when its step ends, but not before the request came.
+            let first = at.max(c.arrived_at);
+            // Wake the client only at the tokens its stream waits for (the first, every
+            // `stream_interval_tokens` after it, the last): waking every stream on every step
+            // costs the host more than the steps themselves.
+            let due = s.generated == 1 || s.finished || (s.generated - 1) % interval == 0;
+            c.progress.send_if_modified(|p| {
+                p.generated = s.generated;
+                p.first_token_at.get_or_insert(first);
+                due
+            });
+            if s.finished {
+                sr.clients.remove(&s.key);
+            }
+        }
+        if !done.events.is_empty() {
+            self.publish(rank, st, done.events);
+        }
+    }
+}
+
+/// How far a stepped rank's clock may fall behind real time before it skips ahead, wall
+/// time (a host too busy to run the steps on time).
+const MAX_LAG: Duration = Duration::from_millis(50);
+
+/// The driver of stepped rank `r`: schedules a step, sleeps until it ends, completes it;
+/// parks on `wake` while there is nothing to do. Ends when the engine is dropped.
+async fn drive(weak: std::sync::Weak<Inner>, r: usize, wake: Arc<Notify>) {
+    loop {
+        let Some(inner) = weak.upgrade() else {
+            return;
+        };
+        let engine = Engine { inner };
+        let Some(plan) = engine.begin_step(r) else {
+            drop(engine);
+            wake.notified().await;
+            continue;
+        };
+        let end = engine.wall_time(plan.start + plan.duration);
+        drop(engine);
+        tokio::time::sleep_until(end.into()).await;
+        let Some(inner) = weak.upgrade() else {
+            return;
+        };
+        Engine { inner }.end_step(r, plan);
     }
 }

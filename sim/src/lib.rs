@@ -9,7 +9,8 @@
 //!   and SGLang 0.5.18, from the sim's cache changes or the core's `KvEvent`s.
 //! - [`publisher`]: ZMQ PUB + replay ROUTER in either reply shape, with the misbehaviours a
 //!   collector must survive (lost messages, garbage payloads, restarts on the same ports).
-//! - [`engine`]: scheduling and timing model, OpenAI/SGLang-style HTTP API, `/metrics`.
+//! - [`engine`]: scheduling and timing models (serial, and vLLM V1's stepped scheduler in
+//!   [`engine::stepped`]), OpenAI/SGLang-style HTTP API, `/metrics`.
 //! - [`trace`], [`tokenizer`]: Mooncake traces, the deterministic toy tokenizer, and the
 //!   engine's choice of it or a real one.
 //! - [`replay`]: replays a trace against a URL or through an in-process router, with summary

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kvroute_sim::cache::CacheConfig;
-use kvroute_sim::engine::{Engine, EngineConfig};
+use kvroute_sim::engine::{Engine, EngineConfig, EngineModel};
 use kvroute_sim::replay::{self, Api, ReplayConfig, Target};
 use kvroute_sim::tokenizer::TextTokenizer;
 use kvroute_sim::trace;
@@ -44,6 +44,11 @@ struct EngineArgs {
     /// Served model name.
     #[arg(long, default_value = "sim-model")]
     model: String,
+    /// Timing model: serial (one FCFS prefill server, fixed time per output token) or vllm
+    /// (vLLM V1's scheduler: steps with a token budget shared by decodes and chunked
+    /// prefill, preemption when the KV cache is full).
+    #[arg(long, value_enum, default_value_t = EngineModel::Serial)]
+    engine_model: EngineModel,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -162,6 +167,7 @@ async fn run_engine(a: EngineArgs) -> anyhow::Result<()> {
         tokenizer,
         name: a.name.unwrap_or_else(|| addr.to_string()),
         model: a.model,
+        engine_model: a.engine_model,
         cache: CacheConfig {
             block_size_tokens: a.block_size,
             capacity_blocks: a.capacity_blocks,

@@ -4,6 +4,8 @@
 mod vectors;
 // The HTTP API of a simulated engine.
 mod http;
+// The stepped engine model through the same API: headers, metrics, KV events, preemption.
+mod stepped;
 // Trace replay against engines, by URL and through an in-process router.
 mod replay;
 // The publisher: lost batches, resumed and restarted numbering, both replay shapes.

@@ -173,8 +173,6 @@ where
     let interval = engine.inner.cfg.stream_interval_tokens.max(1);
     let id = engine.next_id();
     let total = run.output_tokens;
-    let step = run.token_interval();
-    let first_at = run.first_token_at;
     struct St<F> {
         run: Option<Running>,
         sent: usize,
@@ -204,8 +202,9 @@ where
         } else {
             interval.min(total - st.sent)
         };
-        let due = first_at + step * (st.sent + n - 1) as u32;
-        tokio::time::sleep_until(due.into()).await;
+        if let Some(run) = st.run.as_mut() {
+            run.wait_tokens(st.sent + n).await;
+        }
         let toks: Vec<u32> = (st.sent..st.sent + n)
             .map(|i| output_token(id, i))
             .collect();
@@ -246,11 +245,9 @@ fn usage(prompt_tokens: usize, completion_tokens: usize, cached: usize) -> Value
 }
 
 /// Waits for every token of a non-streaming request.
-async fn run_to_end(run: &Running) -> Vec<u32> {
-    let due =
-        run.first_token_at + run.token_interval() * (run.output_tokens.saturating_sub(1)) as u32;
-    tokio::time::sleep_until(due.into()).await;
-    let id = run.request.0;
+async fn run_to_end(run: &mut Running) -> Vec<u32> {
+    run.wait_tokens(run.output_tokens).await;
+    let id = run.id();
     (0..run.output_tokens)
         .map(|i| output_token(id, i))
         .collect()
@@ -273,7 +270,7 @@ async fn completions(
     let prompt = req.prompt.into_tokens(&engine).await?;
     let prompt_len = prompt.len();
     let model = req.model.unwrap_or_else(|| engine.inner.cfg.model.clone());
-    let run = engine
+    let mut run = engine
         .submit(
             prompt,
             req.max_tokens.unwrap_or(16),
@@ -295,7 +292,7 @@ async fn completions(
             })
         }));
     }
-    let toks = run_to_end(&run).await;
+    let toks = run_to_end(&mut run).await;
     let out = toks.len();
     let mut resp = Json(json!({
         "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": fingerprint,
@@ -325,7 +322,7 @@ async fn chat_completions(
     let prompt_len = prompt.len();
     let model = req.model.unwrap_or_else(|| engine.inner.cfg.model.clone());
     let max_tokens = req.max_completion_tokens.or(req.max_tokens).unwrap_or(16);
-    let run = engine
+    let mut run = engine
         .submit(prompt, max_tokens, requested_rank(&headers))
         .await?;
     let id = format!("chatcmpl-{}-{}", engine.inner.cfg.name, engine.next_id());
@@ -349,7 +346,7 @@ async fn chat_completions(
             })
         }));
     }
-    let toks = run_to_end(&run).await;
+    let toks = run_to_end(&mut run).await;
     let out = toks.len();
     let mut resp = Json(json!({
         "id": id, "object": "chat.completion", "created": created, "model": model, "system_fingerprint": fingerprint,
@@ -380,7 +377,7 @@ async fn generate(
         .unwrap_or_default()
         .max_new_tokens
         .unwrap_or(128);
-    let run = engine
+    let mut run = engine
         .submit(prompt, max_new, requested_rank(&headers))
         .await?;
     let rid = format!("{}-{}", engine.inner.cfg.name, engine.next_id());
@@ -403,7 +400,7 @@ async fn generate(
         );
         return Ok(resp);
     }
-    let toks = run_to_end(&run).await;
+    let toks = run_to_end(&mut run).await;
     let n = toks.len();
     let mut resp = Json(json!({
         "text": format!(" {}", tokenizer::decode(&toks)), "output_ids": toks,
@@ -545,6 +542,14 @@ fn render_metrics(engine: &Engine) -> String {
         "Blocks in the prefix cache.",
         &|s| s.cached_blocks.to_string(),
     );
+    if cfg.engine_model == EngineModel::Stepped {
+        family(
+            "vllm:num_preemptions_total",
+            "counter",
+            "Cumulative number of preemption from the engine.",
+            &|s| s.preemptions.to_string(),
+        );
+    }
     out
 }
 
