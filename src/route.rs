@@ -36,14 +36,15 @@
 //! - **Temperature** ([`Policy::temperature`], off by default): the winner is drawn among the
 //!   contenders with odds that fall with their cost's distance from the cheapest, so gateway
 //!   replicas deciding on the same slightly stale load do not all pick the same engine.
-//! - **Replica affinity** ([`Policy::replica_spread_tokens`], [`Replica`]): with `n` gateway
-//!   replicas, replica `i` counts every eligible instance but its own share (the `k`-th
-//!   eligible one in the shared instance order is replica `k mod n`'s) as that many tokens
-//!   busier. A replica learns of the others' bookings only through the collector, one or two
-//!   sync periods late; on near-ties the replicas would pick the same engine in that window,
-//!   and with affinity they pick different ones. An instance holding part of the prompt is
-//!   never counted busier (cache routing is unchanged), and a difference in load larger than
-//!   the spread still crosses over.
+//! - **Replica affinity** ([`Policy::replica_tie_band`], [`Replica`]): with `n` gateway
+//!   replicas, replica `i` breaks near-ties in favour of its own share (the `k`-th eligible
+//!   instance in the shared instance order is replica `k mod n`'s). A replica learns of the
+//!   others' bookings only through the collector, one or two sync periods late; on an idle or
+//!   evenly loaded fleet every replica would see the same exact ties, and affinity makes them
+//!   pick different engines. It is only a tie-breaker: the winner's cost is never more than
+//!   the band above the cheapest contender's, so no replica count or share can send a request
+//!   to a busier engine while a free one exists (the band is below one in-flight request's
+//!   weight by default).
 //!
 //! The load a contender carries comes from [`fleet_view`] when the caller knows the fleet's
 //! totals: what every gateway reported, minus this gateway's own last report (already in the
@@ -84,19 +85,20 @@ pub struct Policy {
     /// ([`select::sample`]): gateway replicas deciding on the same slightly stale load spread
     /// their picks.
     pub temperature: f64,
-    /// Tokens of prefill an instance outside this replica's share counts as carrying (see
-    /// the module docs); 0: no affinity.
-    pub replica_spread_tokens: u64,
+    /// Cost, in blocks, within which a contender of this replica's share is preferred to a
+    /// cheaper one outside it (see the module docs); 0: no affinity.
+    pub replica_tie_band: f64,
     /// Which gateway replica decides, out of how many (the collector's count of live ones).
     pub replica: Replica,
 }
 
-/// Default [`Policy::replica_spread_tokens`]: ~0.4 s of prefill on one H100 serving an 8B
-/// model, chosen with `make bench-routing` (README: two gateway replicas). The replicas'
-/// costly collisions are large cold prompts landing on one engine within the load lag; a
-/// spread this wide keeps those home, and 8,192 beat 2,048 by ~20 % at TTFT p50 in three
-/// alternated runs.
-pub const REPLICA_SPREAD_TOKENS: u64 = 8192;
+/// Default [`Policy::replica_tie_band`]: half a block of cost. Below the default weight of one
+/// in-flight request (a block), so an engine with one more request than another never wins
+/// by affinity; wide enough to catch the exact and float-rounding ties of an idle fleet.
+/// What breaks it: a band of a block or more lets affinity send a cold prompt to an engine
+/// with a request in flight while another is free — with an uneven traffic split between two
+/// gateways (80/20), the busier gateway's share then queues while the other share idles.
+pub const REPLICA_TIE_BAND: f64 = 0.5;
 
 impl Default for Policy {
     fn default() -> Self {
@@ -111,7 +113,7 @@ impl Default for Policy {
             // and in the hot-prefix burst gave p90 1.52 s against 1.07 s unbounded.
             max_hit_queue_tokens: None,
             temperature: 0.0,
-            replica_spread_tokens: REPLICA_SPREAD_TOKENS,
+            replica_tie_band: REPLICA_TIE_BAND,
             replica: Replica::default(),
         }
     }
@@ -306,32 +308,34 @@ pub fn decide(
         .filter(|(_, c)| competes(c))
         .map(|(_, c)| c.load.prefill_tokens)
         .min()?;
-    let spread = policy.replica_spread_tokens as f64 / f64::from(query.block_size.max(1));
-    let costs = eligible()
-        .enumerate()
-        .filter(|(_, (_, c))| competes(c))
-        .map(|(k, (i, c))| {
-            let over_guard = policy
-                .max_hit_queue_tokens
-                .is_some_and(|m| c.load.prefill_tokens - least_queue > m);
-            let cand = Candidate {
-                matched: if over_guard { [0; 3] } else { c.matched },
-                dp_rank: c.dp_rank,
-                in_flight_requests: c.load.requests,
-                in_flight_prefill_tokens: c.load.prefill_tokens,
-            };
-            // A hit is never discounted: affinity only splits instances holding nothing.
-            let away = if policy.replica.owns(k) || hit(c) {
-                0.0
-            } else {
-                spread
-            };
-            (
-                i,
-                select::cost(&cand, query.blocks, query.block_size, &policy.weights) + away,
-            )
-        });
-    let (best, runner_up) = select::sample(costs, policy.temperature, rng)?;
+    let cost = |c: &Contender| {
+        let over_guard = policy
+            .max_hit_queue_tokens
+            .is_some_and(|m| c.load.prefill_tokens - least_queue > m);
+        let cand = Candidate {
+            matched: if over_guard { [0; 3] } else { c.matched },
+            dp_rank: c.dp_rank,
+            in_flight_requests: c.load.requests,
+            in_flight_prefill_tokens: c.load.prefill_tokens,
+        };
+        select::cost(&cand, query.blocks, query.block_size, &policy.weights)
+    };
+    // (share position k, contender index i, cost)
+    let scored = || {
+        eligible()
+            .enumerate()
+            .filter(|(_, (_, c))| competes(c))
+            .map(|(k, (i, c))| (k, i, cost(c)))
+    };
+    let (best, runner_up) = if policy.temperature > 0.0 {
+        select::sample(scored().map(|(_, i, c)| (i, c)), policy.temperature, rng)?
+    } else {
+        select::rank_preferring(
+            scored().map(|(k, i, c)| (i, c, policy.replica.owns(k))),
+            policy.replica_tie_band,
+            rng,
+        )?
+    };
     let c = contenders.get(best)?;
     Some(Decision {
         best,
@@ -772,7 +776,7 @@ mod tests {
     }
 
     #[test]
-    fn each_replica_prefers_its_share_of_cold_requests_until_load_outweighs_it() {
+    fn each_replica_prefers_its_share_only_among_near_ties() {
         let of = |index, count| Policy {
             replica: Replica { index, count },
             ..Policy::default()
@@ -796,20 +800,27 @@ mod tests {
             .map(|s| decide(&cs, Q, &of(0, 1), &mut SplitMix64(s)).unwrap().best)
             .collect();
         assert!([0, 1, 3, 4].iter().all(|i| alone.contains(i)), "{alone:?}");
-        // Own share loaded by more than the spread (8,192 tokens): the other share wins.
-        let busy = [loaded(0, 1, 16_384), loaded(0, 0, 0)];
+        // Own share busier by one request (a block of cost, above the band): the other
+        // share's free engine wins, from either replica.
+        let busy = [loaded(0, 1, 0), loaded(0, 0, 0)];
         assert_eq!(with_policy(&busy, &of(0, 2)).unwrap().best, 1);
-        // Loaded by less: affinity keeps it home.
-        let near = [loaded(0, 1, 4096), loaded(0, 0, 0)];
+        assert_eq!(with_policy(&busy, &of(1, 2)).unwrap().best, 1);
+        // Within the band (a few drained tokens): affinity keeps it home.
+        let near = [loaded(0, 0, 4), loaded(0, 0, 0)];
         assert_eq!(with_policy(&near, &of(0, 2)).unwrap().best, 0);
-        // A hit in the other share is not discounted: 10 blocks win over an idle miss.
+        assert_eq!(with_policy(&near, &of(1, 2)).unwrap().best, 1);
+        // A hit in the other share wins over an idle miss at home.
         assert_eq!(
             with_policy(&[idle(0), idle(10)], &of(0, 2)).unwrap().best,
             1
         );
+        // The runner-up is the cheapest of the others, in either share.
+        let three = [loaded(0, 0, 4), loaded(0, 0, 0), loaded(0, 3, 0)];
+        let d = with_policy(&three, &of(0, 2)).unwrap();
+        assert_eq!((d.best, d.runner_up), (0, Some(1)));
         // Affinity off: the other share's idle instances compete as equals again.
         let off = Policy {
-            replica_spread_tokens: 0,
+            replica_tie_band: 0.0,
             ..of(0, 2)
         };
         let both: Vec<usize> = (0..40)
@@ -972,5 +983,80 @@ mod tests {
                 kv_usage: 0.9
             })
         );
+    }
+
+    mod property {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn contender() -> impl Strategy<Value = Contender> {
+            (
+                0u32..20,
+                0u32..6,
+                0u64..4096,
+                any::<bool>(),
+                0u32..12,
+                0u32..100,
+            )
+                .prop_map(|(m, requests, prefill, eligible, waiting, kv)| {
+                    let mut c = loaded(m, requests, prefill);
+                    c.eligible = eligible;
+                    engine(c, waiting, kv as f32 / 100.0)
+                })
+        }
+
+        proptest! {
+            /// Whatever the replica count and share, the winner costs at most the tie band
+            /// more than any other competing contender, and it is eligible.
+            #[test]
+            fn no_replica_share_outweighs_cost(
+                cs in proptest::collection::vec(contender(), 1..10),
+                count in 1u32..5,
+                index in 0u32..5,
+                band in prop_oneof![Just(REPLICA_TIE_BAND), 0.0f64..3.0],
+                seed in any::<u64>(),
+            ) {
+                let replica = Replica { index: index % count, count };
+                let p = Policy { replica, replica_tie_band: band, ..Policy::default() };
+                let Some(d) = decide(&cs, Q, &p, &mut SplitMix64(seed)) else {
+                    prop_assert!(cs.iter().all(|c| !c.eligible));
+                    return Ok(());
+                };
+                prop_assert!(cs[d.best].eligible);
+                // Recompute each competing contender's cost as the policy sees it.
+                let any_free = cs.iter().any(|c| c.eligible && !p.saturated(&c.load));
+                let competes = |c: &Contender| {
+                    c.eligible && !(any_free && p.saturated(&c.load) && c.matched[2] == 0)
+                };
+                let cost = |c: &Contender| {
+                    select::cost(
+                        &Candidate {
+                            matched: c.matched,
+                            dp_rank: c.dp_rank,
+                            in_flight_requests: c.load.requests,
+                            in_flight_prefill_tokens: c.load.prefill_tokens,
+                        },
+                        Q.blocks,
+                        Q.block_size,
+                        &p.weights,
+                    )
+                };
+                prop_assert!(competes(&cs[d.best]));
+                let best = cost(&cs[d.best]);
+                for c in cs.iter().filter(|c| competes(c)) {
+                    prop_assert!(best <= cost(c) + band + 1e-9, "{best} vs {}", cost(c));
+                }
+                // With the default band, never busier by a whole request when the prefill
+                // and the match are the same.
+                if band == REPLICA_TIE_BAND {
+                    for c in cs.iter().filter(|c| competes(c)) {
+                        let w = &cs[d.best];
+                        if c.matched == w.matched && c.load.prefill_tokens == w.load.prefill_tokens {
+                            prop_assert!(w.load.requests <= c.load.requests);
+                        }
+                    }
+                }
+            }
+        }
     }
 }

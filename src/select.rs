@@ -183,6 +183,41 @@ pub fn rank(
     best.map(|(b, _)| (b, second.map(|(i, _)| i)))
 }
 
+/// Like [`rank`], but contenders marked preferred win near-ties: when a preferred one costs at
+/// most `band` more than the cheapest of all, the cheapest preferred one wins (random among
+/// its exact ties); otherwise [`rank`] decides. The runner-up is the cheapest of the others.
+/// The winner's cost never exceeds the cheapest's by more than `band`, whatever is preferred.
+/// `band` ≤ 0 or not finite: [`rank`].
+pub fn rank_preferring<I>(
+    costs: I,
+    band: f64,
+    rng: &mut impl Random,
+) -> Option<(usize, Option<usize>)>
+where
+    I: Iterator<Item = (usize, f64, bool)> + Clone,
+{
+    let all = costs.clone().map(|(i, c, _)| (i, c));
+    if !(band.is_finite() && band > 0.0) {
+        return rank(all, rng);
+    }
+    let min = all.clone().map(|(_, c)| c).fold(f64::INFINITY, f64::min);
+    let home = costs
+        .filter(|&(_, c, preferred)| preferred && c <= min + band)
+        .map(|(i, c, _)| (i, c));
+    match rank(home, rng) {
+        Some((best, _)) => {
+            let mut second: Option<(usize, f64)> = None;
+            for (i, c) in all.filter(|&(i, _)| i != best) {
+                if second.is_none_or(|(_, s)| c < s) {
+                    second = Some((i, c));
+                }
+            }
+            Some((best, second.map(|(i, _)| i)))
+        }
+        None => rank(all, rng),
+    }
+}
+
 /// Like [`rank`], but the winner is drawn: each index with odds `exp(−(cost − min) /
 /// (temperature × max(min, 1)))`, so contenders within a few `temperature`s of the cheapest
 /// (relative to its cost) share the requests and a much cheaper one still wins nearly always.

@@ -219,8 +219,12 @@ struct RawRoute {
     max_hit_queue_tokens: Option<u64>,
     #[serde(default)]
     temperature: f64,
-    #[serde(default = "default_replica_spread_tokens")]
-    replica_spread_tokens: u64,
+    #[serde(default = "default_replica_tie_band")]
+    replica_tie_band: f64,
+    /// The additive affinity this replaced: accepted so that existing configurations load,
+    /// and ignored (logged) because it could outweigh a real queue.
+    #[serde(default)]
+    replica_spread_tokens: Option<u64>,
 }
 
 impl Default for RawRoute {
@@ -230,17 +234,17 @@ impl Default for RawRoute {
             speculative_ttl_ms: default_speculative_ttl(),
             max_hit_queue_tokens: default_max_hit_queue_tokens(),
             temperature: Policy::default().temperature,
-            replica_spread_tokens: default_replica_spread_tokens(),
+            replica_tie_band: default_replica_tie_band(),
+            replica_spread_tokens: None,
         }
     }
 }
 
-/// Past a million tokens of spread, no load difference or cache hit could cross over: the
-/// replicas would split the fleet for good.
-const MAX_REPLICA_SPREAD_TOKENS: u64 = 1_000_000;
+/// A band wider than this is no tie-break but a second policy that can outweigh real load.
+const MAX_REPLICA_TIE_BAND: f64 = 64.0;
 
-fn default_replica_spread_tokens() -> u64 {
-    Policy::default().replica_spread_tokens
+fn default_replica_tie_band() -> f64 {
+    Policy::default().replica_tie_band
 }
 fn default_true() -> bool {
     true
@@ -604,11 +608,16 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     if !(0.0..=10.0).contains(&raw.route.temperature) {
         return Err(err("route.temperature", "must be between 0 and 10"));
     }
-    if raw.route.replica_spread_tokens > MAX_REPLICA_SPREAD_TOKENS {
+    if !(0.0..=MAX_REPLICA_TIE_BAND).contains(&raw.route.replica_tie_band) {
         return Err(err(
-            "route.replica_spread_tokens",
-            "must be at most 1000000 (0 turns replica affinity off)",
+            "route.replica_tie_band",
+            "must be between 0 and 64 blocks of cost (0 turns replica affinity off)",
         ));
+    }
+    if raw.route.replica_spread_tokens.is_some() {
+        log::warn!(
+            "route.replica_spread_tokens is ignored: replica affinity is now a tie-break, route.replica_tie_band"
+        );
     }
     if raw
         .load
@@ -716,7 +725,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             max_kv_usage: raw.load.max_kv_usage as f32,
             max_hit_queue_tokens: raw.route.max_hit_queue_tokens,
             temperature: raw.route.temperature,
-            replica_spread_tokens: raw.route.replica_spread_tokens,
+            replica_tie_band: raw.route.replica_tie_band,
             ..Policy::default()
         },
         weights,
@@ -927,7 +936,7 @@ mod tests {
                           "prefill_tokens_per_s": 9000},
                  "route": {"cold": "defer", "speculative_ttl_ms": 0,
                            "max_hit_queue_tokens": null, "temperature": 0.2,
-                           "replica_spread_tokens": 0}}"#,
+                           "replica_tie_band": 0, "replica_spread_tokens": 2048}}"#,
         )
         .unwrap();
         assert_eq!(c.gateway_id.as_deref(), Some("gw-1"));
@@ -936,7 +945,7 @@ mod tests {
         assert_eq!(c.policy.cold, Cold::Defer);
         assert_eq!(c.policy.max_hit_queue_tokens, None);
         assert_eq!(c.policy.temperature, 0.2);
-        assert_eq!(c.policy.replica_spread_tokens, 0);
+        assert_eq!(c.policy.replica_tie_band, 0.0, "the old spread is ignored");
         assert_eq!(c.prefill_rate, Some(9000));
         assert_eq!(c.default_decode_tokens, 64);
         for (bad, key) in [
@@ -946,8 +955,12 @@ mod tests {
             (r#""route": {"temperature": -1}"#, "route.temperature"),
             (r#""route": {"temperature": 11}"#, "route.temperature"),
             (
-                r#""route": {"replica_spread_tokens": 1000001}"#,
-                "route.replica_spread_tokens",
+                r#""route": {"replica_tie_band": 65}"#,
+                "route.replica_tie_band",
+            ),
+            (
+                r#""route": {"replica_tie_band": -0.5}"#,
+                "route.replica_tie_band",
             ),
             (
                 r#""load": {"prefill_tokens_per_s": -1}"#,

@@ -365,16 +365,22 @@ fn each_gateway_replica_prefers_its_share_of_the_engines() {
     assert_eq!(spread(json!({}), "1/2"), [B]);
     assert_eq!(spread(json!({}), "0/1"), [A, B], "alone: both");
     assert_eq!(spread(json!({}), "junk"), [A, B], "unreadable: alone");
-    let off = json!({"route": {"replica_spread_tokens": 0}});
+    let off = json!({"route": {"replica_tie_band": 0}});
     assert_eq!(spread(off, "0/2"), [A, B], "affinity off");
     let no_fleet = json!({"load": {"fleet": false}});
     assert_eq!(spread(no_fleet, "0/2"), [A, B], "without fleet load: alone");
-    // Load beyond the spread (8,192 tokens) crosses over: with A busy, replica 0 uses B.
+    // Affinity is only a tie-break: one request in flight on A through another gateway
+    // (no prefill queued) sends replica 0's cold requests to the free B.
     let (mut gw, feed) = setup(json!({}));
-    feed.set_fleet(vec![fleet(0, 3, 16_384, None)]);
+    feed.set_fleet(vec![fleet(0, 1, 0, None)]);
     feed.set_replica("0/2");
     sync(&mut gw);
     assert_eq!(hold(&mut gw, 5000).1, B);
+    // The configuration of the old additive spread still loads, and changes nothing.
+    assert_eq!(
+        spread(json!({"route": {"replica_spread_tokens": 8192}}), "1/2"),
+        [B]
+    );
 }
 
 #[test]
