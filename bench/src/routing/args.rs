@@ -172,6 +172,12 @@ pub struct BenchArgs {
     /// Time per output token, ms (simulated).
     #[arg(long, default_value_t = 8.0)]
     pub decode_ms_per_token: f64,
+    /// The engines' timing model: serial (one FCFS prefill server, a fixed time per output
+    /// token; the model the router's defaults were tuned on) or vllm (vLLM V1's scheduler:
+    /// steps whose token budget decodes share with chunked prefill, preemption on a full KV
+    /// cache; `--decode-ms-per-token` does not apply).
+    #[arg(long, value_enum, default_value_t = kvroute_sim::engine::EngineModel::Serial)]
+    pub engine_model: kvroute_sim::engine::EngineModel,
     /// Output tokens per SSE chunk.
     #[arg(long, default_value_t = 16)]
     pub stream_interval: usize,

@@ -85,6 +85,7 @@ pub async fn start_fleet_with(
             },
             prefill_tokens_per_s: a.prefill_tokens_per_s,
             decode_per_token: Duration::from_secs_f64(a.decode_ms_per_token / 1000.0),
+            engine_model: a.engine_model,
             speed: a.speed,
             event_format: EventFormat::Vllm033,
             events_endpoint: Some("tcp://127.0.0.1:0".into()),
