@@ -527,19 +527,72 @@ class LoadE2E(E2E):
         for st in burst:
             check(st.engine == busy.name, f"the burst went to {st.engine}, not {busy.name}")
 
+    def test_two_gateways_both_keep_cold_requests_off_an_engine_busy_through_one(self):
+        # Gateway 1 keeps engine 0 busy with long decodes of a prefix cached there (prefill
+        # tiny: the work is decode). Cold short prompts through EITHER gateway must avoid it:
+        # replica affinity may only break near-ties, never outweigh a real queue. Gateway 2
+        # knows of the busy engine only through the collector's fleet totals.
+        other = self.s.start_extra_envoy("gw2", {})
+        busy = self.s.engines[0]
+        streams = self.pin(busy, 3)
+        try:
+            time.sleep(2 * 0.1 + 0.3)   # gateway 1's report and two feed ticks of gateway 2
+            for name, url in (("gateway 1", None), ("gateway 2", other["kvroute"])):
+                to_busy = decided = 0
+                for _ in range(10):
+                    served, dest = self.cold(url=url)
+                    decided += dest is not None
+                    to_busy += served == busy.name
+                check(decided == 10, f"{name}: {10 - decided} of 10 cold requests not decided")
+                check(to_busy <= 2, f"{name}: {to_busy} of 10 cold requests went to the busy "
+                                    f"{busy.name}")
+        finally:
+            self.finish(streams)
+
+    def test_an_engine_down_stops_receiving_traffic_and_comes_back(self):
+        # Engine 2 dies: its event stream drops and its /metrics (through the proxy) fail
+        # after having answered. Within the collector's --engine-down-secs (5 s) plus a scrape
+        # backoff it is no routing candidate: cold requests are decided among the others.
+        # Restarted, it reconnects and gets cold requests again.
+        e = self.s.engines[2]
+        assert e.proxy is not None
+        # From a healthy start: stream connected and /metrics answering (an earlier test may
+        # have left its metrics marked failing until the next good scrape).
+        K.wait_until(lambda: self.worker(e).get("connected") and not self.worker(e).get(
+            "metrics_down"), 30, f"{e.name} connected with its /metrics answering")
+        e.proc.kill()
+        try:
+            K.wait_until(lambda: not self.worker(e).get("routable", True), 25,
+                         f"the collector to take {e.name} as down")
+            time.sleep(0.5)   # feed ticks
+            for i in range(9):
+                served, dest = self.cold()
+                check(dest is not None and dest != e.address,
+                      f"cold request #{i} was routed to the dead {e.name} ({dest})")
+        finally:
+            self.s.start_engine(e)
+        K.wait_until(lambda: self.worker(e).get("routable") and self.worker(e).get("connected"),
+                     30, f"{e.name} routable again")
+        time.sleep(0.5)
+        seen = {self.cold()[0] for _ in range(12)}
+        check(e.name in seen, f"{e.name} back, but 12 cold requests went only to {seen}")
+
+    def worker(self, e: K.Engine) -> dict:
+        for w in self.s.workers()["workers"]:
+            if w["instance_id"] == e.name:
+                return w
+        return {}
+
     def test_speculative_entry_routes_a_sibling_then_expires(self):
         # An Envoy whose index syncs only every 4 s (as if the engine's KV events were late):
         # a sibling of a request just routed must follow it to the same engine on the
         # speculative entry alone; after the entry's TTL it no longer does (its engine is
         # made busy, so without the entry's credit the sibling goes elsewhere).
         ttl_ms = 1500
-        # Replica affinity off: the suite's other Envoys share the collector, and as one replica
-        # among them this one would keep a cold sibling on its own share of the engines even
-        # when that engine is busier by a few decoding requests.
         urls = self.s.start_extra_envoy("spec", {
             "SYNC_INTERVAL_MS": 4000, "STALE_AFTER_MS": 60000,
             "FILTER_EXTRA": K.render.filter_extra({"route": {
-                "speculative_ttl_ms": ttl_ms, "replica_spread_tokens": 0}})})
+                "speculative_ttl_ms": ttl_ms}})})
         url = urls["kvroute"]
         K.wait_until(lambda: self.s.routed_to(fresh(4 * BS), url=url) is not None, 15,
                      "the slow-sync Envoy to decide cold requests", interval=0.2)
@@ -688,9 +741,11 @@ def main() -> int:
     load_names = [n for n in ["test_cold_requests_avoid_a_busy_engine",
                               "test_prefill_released_at_first_byte",
                               "test_two_envoys_share_load_through_the_collector",
+                              "test_two_gateways_both_keep_cold_requests_off_an_engine_busy_through_one",
                               "test_speculative_entry_routes_a_sibling_then_expires",
                               "test_metrics_down_or_slow_routing_goes_on",
-                              "test_full_engine_queue_gets_no_cold_request"]
+                              "test_full_engine_queue_gets_no_cold_request",
+                              "test_an_engine_down_stops_receiving_traffic_and_comes_back"]
                   if not only or only in n]
     if load_names:
         load_stack = K.Stack(load_stack_config())

@@ -148,6 +148,53 @@ class TextE2E(E2E):
         # No tokenizer here: the model is known to have none, so no callout is even tried.
         self.collector_down("collector-down")
 
+    # ---- no-events stack: every engine registered, no KV event stream reachable -----------
+    def test_noevents_engines_are_listed_without_a_stream_and_routable(self):
+        workers = self.s.workers()["workers"]
+        check(len(workers) == 3, f"{len(workers)} workers registered")
+        for w in workers:
+            check(w.get("event_stream") == "never" and w.get("routable") is True,
+                  f"{w['instance_id']}: event_stream {w.get('event_stream')!r}, "
+                  f"routable {w.get('routable')!r}")
+        text = K.http("GET", self.s.collector_url + "/metrics", timeout=5).body.decode()
+        check("kvroute_workers_without_events 3" in text,
+              "the collector's kvroute_workers_without_events is not 3")
+
+    def test_noevents_token_requests_are_decided_by_load(self):
+        cold = self.s.filter_counter("routed_cold") or 0
+        no_match = self.s.filter_counter("no_match") or 0
+        served = set()
+        for i in range(12):
+            r, t = self.send(K.random_tokens(8 * K.DEFAULT_BLOCK_SIZE))
+            entry = self.expect_served(r, t, f"token request {i}")
+            check(self.first_dest(entry) is not None, f"token request {i} not decided: {entry}")
+            served.add(self.s.served_by(r).name)
+        check(len(served) == 3, f"12 cold token requests reached only {sorted(served)}")
+        K.wait_until(lambda: (self.s.filter_counter("routed_cold") or 0) >= cold + 12, 10,
+                     "kvroute.requests.routed_cold to count 12")
+        check((self.s.filter_counter("no_match") or 0) == no_match, "a request ended no_match")
+
+    def test_noevents_repeated_system_prompts_return_to_their_engine(self):
+        # Six 500-word system prompts, each with six user questions: approximate mode sends
+        # the repeats where the first went, with no KV event anywhere.
+        repeats = same = 0
+        firsts = set()
+        for p in range(6):
+            system = " ".join(f"word{p}x{i}" for i in range(500))
+            first = None
+            for q in range(6):
+                r, t = self.chat([{"role": "system", "content": system},
+                                  {"role": "user", "content": f"question {q} about prompt {p}?"}])
+                d = self.routed_text(r, t, f"prompt {p} question {q}", "approx")
+                if first is None:
+                    first = d
+                    firsts.add(d)
+                else:
+                    repeats += 1
+                    same += d == first
+        check(same >= 0.9 * repeats, f"{same} of {repeats} repeats returned to their engine")
+        check(len(firsts) >= 2, f"six cold system prompts all went to {firsts}")
+
     # ---- exact stack ----------------------------------------------------------------------
     def warm_text(self, engine: K.Engine, body: dict, path: str, query: dict) -> None:
         """Send `body` straight to `engine` (it tokenizes, caches, publishes) and wait until
@@ -255,9 +302,12 @@ def main() -> int:
     # The collector goes down in the last one.
     approx.sort(key=lambda n: n == "test_approx_collector_down_still_routes_text")
     exact = [n for n in names if n.startswith("test_exact_")]
+    noevents = [n for n in names if n.startswith("test_noevents_")]
     exact.sort(key=lambda n: n == "test_exact_then_collector_down_falls_to_approximate")
     result = {"passed": 0, "failed": 0, "skipped": 0}
     run_suite(K.StackConfig(engines=3, envoy_values=ENVOY_VALUES), approx, result)
+    run_suite(K.StackConfig(engines=3, envoy_values=ENVOY_VALUES, events_off={0, 1, 2}),
+              noevents, result)
     bin_dir = K.profile_dir(None)
     collector_text = (supports_tokenizer(bin_dir / "kvroute-collector")
                       and (TOKENIZER_DIR / "tokenizer.json").exists())

@@ -305,6 +305,9 @@ class EngineProxy:
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                         self.wfile.flush()
                     self.wfile.write(b"0\r\n\r\n")
+                except ConnectionRefusedError:
+                    # The engine is down: drop the connection as a dead engine would.
+                    self.close_connection = True
                 finally:
                     c.close()
 
@@ -329,6 +332,8 @@ class Engine:
     proc: Proc | None = None
     # When set, the engine is registered and routed at the proxy's address.
     proxy: EngineProxy | None = None
+    # When set, the engine is registered with this event endpoint (nothing listens there).
+    dead_endpoint: str | None = None
 
     @property
     def address(self) -> str:
@@ -372,6 +377,9 @@ class StackConfig:
     with_collector: bool = True
     # Engines (indexes) reached through an EngineProxy (see there).
     proxied_engines: set[int] = field(default_factory=set)
+    # Engines (indexes) registered with an event endpoint nothing listens on, as when vLLM
+    # runs without --kv-events-config or a firewall is in the way.
+    events_off: set[int] = field(default_factory=set)
     workdir: Path | None = None
     keep_workdir: bool = False
 
@@ -395,6 +403,8 @@ class Stack:
                                        tenant=self.cfg.engine_tenants.get(i, "default")))
             if i in self.cfg.proxied_engines:
                 self.engines[-1].proxy = EngineProxy(self.engines[-1].http_port)
+            if i in self.cfg.events_off:
+                self.engines[-1].dead_endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.collector_port = free_port()
         self.listen_port = free_port()
         self.baseline_port = free_port()
@@ -503,8 +513,13 @@ class Stack:
 
     # ---- collector ----------------------------------------------------------------------
     def worker_spec(self, e: Engine) -> str:
-        spec = (f"instance_id={e.name},endpoint={e.endpoint},model={self.cfg.model},"
-                f"block_size={self.cfg.block_size},address={e.address},replay={e.replay_endpoint}")
+        if e.dead_endpoint:
+            spec = (f"instance_id={e.name},endpoint={e.dead_endpoint},model={self.cfg.model},"
+                    f"block_size={self.cfg.block_size},address={e.address}")
+        else:
+            spec = (f"instance_id={e.name},endpoint={e.endpoint},model={self.cfg.model},"
+                    f"block_size={self.cfg.block_size},address={e.address},"
+                    f"replay={e.replay_endpoint}")
         if e.tenant != "default":
             spec += f",tenant={e.tenant}"
         return spec

@@ -138,6 +138,9 @@ pub struct Cli {
     /// Age past which an engine sample is reported stale, seconds [default: 2].
     #[arg(long, value_name = "SECS")]
     pub engine_stale_secs: Option<f64>,
+    /// An engine whose /metrics answered once and has failed for this long is taken as down and no longer routed to, until it answers again, seconds [default: 5].
+    #[arg(long, value_name = "SECS")]
+    pub engine_down_secs: Option<f64>,
     /// Largest engine /metrics page read; reading stops there [default: 1048576].
     #[arg(long, value_name = "BYTES")]
     pub max_metrics_bytes: Option<usize>,
@@ -194,6 +197,7 @@ pub struct FileConfig {
     pub scrape_interval_secs: Option<f64>,
     pub scrape_timeout_secs: Option<f64>,
     pub engine_stale_secs: Option<f64>,
+    pub engine_down_secs: Option<f64>,
     pub max_metrics_bytes: Option<usize>,
     #[serde(default, alias = "tokenizers")]
     pub tokenizer: Vec<String>,
@@ -254,6 +258,8 @@ pub struct Config {
     pub scrape_interval: Duration,
     pub scrape_timeout: Duration,
     pub engine_stale: Duration,
+    /// Failing `/metrics` after answering: down past this.
+    pub engine_down: Duration,
     pub max_metrics_bytes: usize,
     /// Tokenizers for text requests, one per model.
     pub tokenizers: Vec<TokenizerSpec>,
@@ -295,6 +301,7 @@ impl Default for Config {
             scrape_interval: Duration::from_millis(500),
             scrape_timeout: Duration::from_millis(250),
             engine_stale: Duration::from_secs(2),
+            engine_down: Duration::from_secs(5),
             max_metrics_bytes: 1 << 20,
             tokenizers: Vec::new(),
             text_limits: kvroute_text::Limits::default(),
@@ -577,6 +584,11 @@ impl Cli {
                 "engine-stale-secs",
                 self.engine_stale_secs.or(file.engine_stale_secs),
                 d.engine_stale,
+            )?,
+            engine_down: secs(
+                "engine-down-secs",
+                self.engine_down_secs.or(file.engine_down_secs),
+                d.engine_down,
             )?,
             max_metrics_bytes: positive(
                 "max-metrics-bytes",

@@ -414,6 +414,7 @@ pub async fn serve(
             interval: shared.config.scrape_interval,
             timeout: shared.config.scrape_timeout,
             max_bytes: shared.config.max_metrics_bytes,
+            down_after: shared.config.engine_down,
         },
     ));
     info!(addr = %listener.local_addr()?, "serving");

@@ -100,6 +100,10 @@ pub struct Metrics {
     pub workers: Gauge,
     /// Workers whose publisher is connected.
     pub connected: Gauge,
+    /// Workers that are routing candidates (no evidence they are down).
+    pub routable: Gauge,
+    /// Workers without a connected KV event stream (never connected, or dropped).
+    pub without_events: Gauge,
     /// Entries in the feed log.
     pub feed_log_entries: Gauge,
     /// Latency of `/query` and `/query_by_hash`, seconds.
@@ -200,6 +204,8 @@ impl Metrics {
             holders: Gauge::default(),
             workers: Gauge::default(),
             connected: Gauge::default(),
+            routable: Gauge::default(),
+            without_events: Gauge::default(),
             feed_log_entries: Gauge::default(),
             query_seconds: Family::new_with_constructor(query_histogram as fn() -> Histogram),
             feed_requests: Family::default(),
@@ -278,6 +284,16 @@ impl Metrics {
             "workers_connected",
             "Workers whose publisher is connected",
             m.connected.clone(),
+        );
+        registry.register(
+            "workers_routable",
+            "Workers that are routing candidates: registered and no evidence they are down",
+            m.routable.clone(),
+        );
+        registry.register(
+            "workers_without_events",
+            "Workers without a connected KV event stream: routed with an empty cache",
+            m.without_events.clone(),
         );
         registry.register(
             "feed_log_entries",

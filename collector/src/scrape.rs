@@ -15,7 +15,7 @@
 //! names matter, other lines are skipped after comparing their name, and the crates that parse
 //! the full format pull in a regex engine and a date library for nothing we need.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use futures_util::{stream, StreamExt};
@@ -221,6 +221,8 @@ pub struct ScrapeConfig {
     pub interval: Duration,
     pub timeout: Duration,
     pub max_bytes: usize,
+    /// Failing this long after having answered: the engine is down (not routed to).
+    pub down_after: Duration,
 }
 
 /// Fetches `url` with every bound applied: status, size (reading stops at `max_bytes`) and
@@ -319,6 +321,8 @@ pub fn targets<'a>(workers: impl Iterator<Item = &'a crate::hub::WorkerInfo>) ->
 struct Backoff {
     failures: u32,
     next: Instant,
+    /// The first failure of this run of failures.
+    since: Instant,
 }
 
 /// Scrapes every engine every `interval` until aborted; returns at once when scraping is off.
@@ -338,6 +342,11 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
         }
     };
     let mut backoff: HashMap<String, Backoff> = HashMap::new();
+    // Engines that answered at least once: only those can be taken as down, so an engine
+    // without a metrics endpoint is never dropped for it.
+    let mut answered: HashSet<String> = HashSet::new();
+    // Engines marked down: their workers are told when they answer again.
+    let mut down: HashSet<String> = HashSet::new();
     let mut tick = tokio::time::interval(cfg.interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
@@ -345,6 +354,8 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
         let targets = targets(state.read().workers());
         let now = Instant::now();
         backoff.retain(|a, _| targets.iter().any(|t| &t.address == a));
+        answered.retain(|a| targets.iter().any(|t| &t.address == a));
+        down.retain(|a| targets.iter().any(|t| &t.address == a));
         let due: Vec<Target> = targets
             .into_iter()
             .filter(|t| backoff.get(&t.address).is_none_or(|b| b.next <= now))
@@ -360,7 +371,12 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
             match result {
                 Ok(ranks) => {
                     backoff.remove(&t.address);
+                    answered.insert(t.address.clone());
                     state.metrics.engine_scrapes.inc();
+                    if down.remove(&t.address) {
+                        tracing::info!(address = %t.address, "engine metrics answer again; routed to again");
+                        mark_down(&state, &t, false);
+                    }
                     // Lock order: fleet, then hub. A worker unregistered (and its slot
                     // perhaps reused) while the scrape ran must not get this engine's figures.
                     let mut fleet = state.fleet();
@@ -391,7 +407,15 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
                     let b = backoff.entry(t.address.clone()).or_insert(Backoff {
                         failures: 0,
                         next: at,
+                        since: at,
                     });
+                    if answered.contains(&t.address)
+                        && at.duration_since(b.since) >= cfg.down_after
+                        && down.insert(t.address.clone())
+                    {
+                        tracing::warn!(address = %t.address, error = %e, failing_secs = at.duration_since(b.since).as_secs_f64(), "engine metrics failing after having answered: taken as down, not routed to");
+                        mark_down(&state, &t, true);
+                    }
                     b.failures = b.failures.saturating_add(1);
                     let pause = cfg
                         .interval
@@ -407,6 +431,21 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
             }
         }
     }
+}
+
+/// Marks the workers of `t` (those still registered at its address) down or up again.
+fn mark_down(state: &AppState, t: &Target, is_down: bool) {
+    let mut hub = state.write();
+    for (worker, rank) in &t.workers {
+        let same = hub
+            .worker(*worker)
+            .is_some_and(|w| w.address() == t.address && w.dp_rank() == *rank);
+        if same {
+            hub.set_metrics_down(*worker, is_down);
+        }
+    }
+    drop(hub);
+    state.notify();
 }
 
 #[cfg(test)]

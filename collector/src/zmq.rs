@@ -63,6 +63,8 @@ pub const RCVHWM: i32 = 1000;
 
 /// Batches in flight between a worker's socket thread and its async task.
 const CHANNEL_BATCHES: usize = 64;
+/// How long a subscriber waits for its first connection before it warns, once.
+const NO_STREAM_WARNING: Duration = Duration::from_secs(10);
 
 /// First and longest wait between reconnection attempts, ms.
 const RECONNECT_IVL_MS: i32 = 100;
@@ -467,9 +469,18 @@ impl Subscriber {
         self.set_connected(false);
         let keep = self.shared.config.keep_disconnected;
         let mut drop_at: Option<Instant> = None;
+        // Said once per subscriber: an engine that never connects is still routed (by load
+        // and text), which an operator should know is happening without its cache.
+        let mut warn_at = Some(Instant::now() + NO_STREAM_WARNING);
         loop {
             let expiry = async {
                 match drop_at {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let silence = async {
+                match warn_at {
                     Some(t) => tokio::time::sleep_until(t).await,
                     None => std::future::pending().await,
                 }
@@ -481,6 +492,7 @@ impl Subscriber {
                         info!(endpoint = %self.endpoint, "subscribed");
                         self.set_connected(true);
                         drop_at = None;
+                        warn_at = None;
                         if self.replay_endpoint.is_some() {
                             let from = self.seq.last.map_or(0, |s| s + 1);
                             self.replay_from(from).await;
@@ -509,9 +521,22 @@ impl Subscriber {
                         return;
                     }
                 },
+                _ = silence => {
+                    warn!(
+                        endpoint = %self.endpoint,
+                        after_secs = NO_STREAM_WARNING.as_secs(),
+                        "no KV event stream from this engine (is it started with --kv-events-config, and the endpoint reachable?); it is routed with an empty cache, by load and text approximate mode"
+                    );
+                    warn_at = None;
+                }
                 _ = expiry => {
-                    let n = self.shared.write().clear_blocks(self.source);
-                    info!(endpoint = %self.endpoint, blocks = n, "disconnected too long; blocks dropped");
+                    let n = {
+                        let mut hub = self.shared.write();
+                        let n = hub.clear_blocks(self.source);
+                        hub.set_stream_expired(self.source);
+                        n
+                    };
+                    info!(endpoint = %self.endpoint, blocks = n, "disconnected too long; blocks dropped, no longer routed until it reconnects");
                     // Start over: when the engine is back, what its replay buffer still
                     // holds comes in again from seq 0.
                     self.seq = Seq { last: None, recent: VecDeque::new() };

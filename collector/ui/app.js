@@ -175,11 +175,37 @@ function render(d) {
   renderModels(d.workers);
 }
 
+// The event stream and whether the engine is routed: an engine without events is still
+// routed (empty cache, by load and text), so "no events" is a warning, not "down".
+function streamCell(w) {
+  let text, cls, title;
+  if (w.routable === false) {
+    text = "down";
+    cls = "down";
+    title = w.metrics_down ? "its /metrics fail after having answered: not routed to"
+      : "its event stream dropped longer than keep_disconnected: not routed to";
+  } else if (w.connected) {
+    text = "connected";
+    cls = "up";
+    title = "KV events flowing";
+  } else {
+    text = w.event_stream === "dropped" ? "events dropped" : "no events";
+    cls = "noevents";
+    title = "no KV event stream: routed with an empty cache, by load and text approximate mode";
+  }
+  const c = cell(text, null, title);
+  c.classList.add("state", cls);
+  c.dataset.stream = w.event_stream || "";
+  return c;
+}
+
 function renderSummary(d) {
   const o = d.overview;
   const up = d.workers.filter((w) => w.connected).length;
   const instances = new Set(d.workers.map((w) => w.instance_id)).size;
+  const noEvents = d.workers.filter((w) => !w.connected).length;
   $("sum-engines").textContent = `${up} / ${d.workers.length} connected`;
+  if (noEvents) $("sum-engines").textContent += `, ${noEvents} without events`;
   $("sum-engines-sub").textContent = `${instances} instances, ${d.workers.length} dp ranks`;
   $("sum-blocks").textContent = `${num(o.index.blocks)} blocks`;
   $("sum-blocks-sub").textContent = `${num(o.index.holds)} holds, ${num(o.index.scopes)} scopes`;
@@ -248,9 +274,7 @@ function renderEngines(d) {
     tr.append(cell(w.lora_name ? `${w.model_name} (LoRA ${w.lora_name})` : w.model_name,
       null, `block size ${w.block_size}`));
     tr.append(cell(w.tenant_id, "dim"));
-    const st = cell(w.connected ? "connected" : "disconnected");
-    st.classList.add("state", w.connected ? "up" : "down");
-    tr.append(st);
+    tr.append(streamCell(w));
     const blocks = cell(num(w.blocks), "num");
     blocks.dataset.field = "blocks";
     tr.append(blocks);

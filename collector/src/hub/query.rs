@@ -201,6 +201,12 @@ impl Hub {
         metrics
             .connected
             .set(self.workers().filter(|w| w.status.connected).count() as i64);
+        metrics
+            .routable
+            .set(self.workers().filter(|w| w.status.is_routable()).count() as i64);
+        metrics
+            .without_events
+            .set(self.workers().filter(|w| !w.status.connected).count() as i64);
         metrics.feed_log_entries.set(self.feed.len() as i64);
         metrics.aliases.set(self.aliases.len() as i64);
         metrics.pending_pages.set(self.pending_pages() as i64);

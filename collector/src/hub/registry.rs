@@ -11,7 +11,7 @@ use tracing::warn;
 
 use super::store::{worker_op, Alias, Hub};
 use super::types::{
-    HubError, Limit, Registered, WorkerInfo, WorkerStatus, MAX_NAME_BYTES, MAX_WORKERS,
+    EventStream, HubError, Limit, Registered, WorkerInfo, WorkerStatus, MAX_NAME_BYTES, MAX_WORKERS,
 };
 
 impl Hub {
@@ -328,8 +328,16 @@ impl Hub {
         }
         let mut reg = info.reg.clone();
         reg.dp_rank = Some(dp);
-        self.insert_worker(reg, Some(source))
-            .map_err(|_| Some(Limit::DpWorkers))
+        let (connected, stream) = (info.status.connected, info.status.event_stream);
+        let id = self
+            .insert_worker(reg, Some(source))
+            .map_err(|_| Some(Limit::DpWorkers))?;
+        // Named by a batch of its source's stream: it shares that stream's state.
+        if let Some(w) = self.worker_mut(id) {
+            w.status.connected = connected;
+            w.status.event_stream = stream;
+        }
+        Ok(id)
     }
 
     /// Forgets what `source`'s publisher told (engine restart, or disconnected too long): the
@@ -352,14 +360,53 @@ impl Hub {
         n
     }
 
-    /// Records the publisher's liveness and tells the feed.
+    /// Records the publisher's connection state; the feed hears of it when routability
+    /// changes. A reconnect clears an expired stream.
     pub fn set_connected(&mut self, source: WorkerId, connected: bool) {
+        self.update_status(source, |s| {
+            s.connected = connected;
+            if connected {
+                s.event_stream = EventStream::Connected;
+                s.stream_expired = false;
+            } else if s.event_stream == EventStream::Connected {
+                s.event_stream = EventStream::Dropped;
+            }
+        });
+    }
+
+    /// Marks `source`'s stream as dropped for longer than `keep_disconnected`: its workers
+    /// stop being routing candidates until it reconnects.
+    pub fn set_stream_expired(&mut self, source: WorkerId) {
+        self.update_status(source, |s| {
+            s.stream_expired = s.event_stream == EventStream::Dropped;
+        });
+    }
+
+    /// Records whether `worker`'s engine metrics have been failing past the down limit.
+    pub fn set_metrics_down(&mut self, worker: WorkerId, down: bool) {
+        let Some(w) = self.worker_mut(worker) else {
+            return;
+        };
+        let was = w.status.is_routable();
+        w.status.metrics_down = down;
+        w.status.routable = w.status.is_routable();
+        if was != w.status.routable {
+            let op = worker_op(w);
+            self.feed.push_op(op);
+        }
+    }
+
+    /// Applies `f` to the status of `source`'s family and tells the feed of each worker whose
+    /// routability changed.
+    fn update_status(&mut self, source: WorkerId, f: impl Fn(&mut WorkerStatus)) {
         for id in self.family(source) {
             let Some(w) = self.worker_mut(id) else {
                 continue;
             };
-            if w.status.connected != connected {
-                w.status.connected = connected;
+            let was = w.status.is_routable();
+            f(&mut w.status);
+            w.status.routable = w.status.is_routable();
+            if was != w.status.routable {
                 let op = worker_op(w);
                 self.feed.push_op(op);
             }

@@ -121,7 +121,7 @@ impl Hub {
 pub(crate) fn worker_op(w: &WorkerInfo) -> Op {
     Op::Worker {
         id: w.id,
-        live: w.status.connected,
+        live: w.status.is_routable(),
         dp_rank: w.dp_rank(),
         instance_id: w.reg.instance_id.clone(),
         address: w.address().to_owned(),

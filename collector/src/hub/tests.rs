@@ -2,6 +2,9 @@
 
 use super::*;
 use kvroute::api::{RegisterRequest, UnregisterRequest};
+use kvroute::feed::Op;
+
+use super::store::worker_op;
 
 fn hub(port: Option<u16>) -> Hub {
     Hub::new(
@@ -174,4 +177,48 @@ fn what_an_engine_taught_goes_when_it_restarts_or_stays_away() {
     assert_eq!(h.workers().count(), 1, "the dp-rank sibling is gone");
     assert_eq!(h.alias_count(), 0, "the learned alias is gone");
     assert!(h.worker(a).is_some(), "the registration stays");
+}
+
+#[test]
+fn an_engine_is_routable_unless_there_is_evidence_it_is_down() {
+    let mut h = hub(Some(8000));
+    let Registered::New(a) = h.register(reg("a", "tcp://10.0.0.5:5557")).unwrap() else {
+        panic!()
+    };
+    let status = |h: &Hub| h.worker(a).unwrap().status.clone();
+    let live_in_feed = |h: &Hub| worker_op(h.worker(a).unwrap());
+    let is_live = |op: Op| matches!(op, Op::Worker { live: true, .. });
+    // Registered, no event ever: a candidate with an empty cache.
+    assert_eq!(status(&h).event_stream, EventStream::Never);
+    assert!(status(&h).routable && is_live(live_in_feed(&h)));
+    // Metrics failing while no stream ever connected: the only evidence there is.
+    let entries = h.feed.len();
+    h.set_metrics_down(a, true);
+    assert!(!status(&h).routable && !is_live(live_in_feed(&h)));
+    assert_eq!(h.feed.len(), entries + 1, "the feed hears of it");
+    h.set_metrics_down(a, false);
+    assert!(status(&h).routable);
+    // Connected: a failing /metrics alone does not take a live stream's engine away.
+    h.set_connected(a, true);
+    h.set_metrics_down(a, true);
+    assert_eq!(status(&h).event_stream, EventStream::Connected);
+    assert!(status(&h).routable);
+    // Dropped: still routable until keep_disconnected passes, and now the metrics count.
+    h.set_metrics_down(a, false);
+    h.set_connected(a, false);
+    assert_eq!(status(&h).event_stream, EventStream::Dropped);
+    assert!(status(&h).routable);
+    let entries = h.feed.len();
+    h.set_stream_expired(a);
+    assert!(!status(&h).routable && !is_live(live_in_feed(&h)));
+    assert_eq!(h.feed.len(), entries + 1);
+    // Back: reconnecting clears the expiry.
+    h.set_connected(a, true);
+    assert!(status(&h).routable && !status(&h).stream_expired);
+    // An expiry never applies to a stream that never connected.
+    let Registered::New(b) = h.register(reg("b", "tcp://10.0.0.6:5557")).unwrap() else {
+        panic!()
+    };
+    h.set_stream_expired(b);
+    assert!(h.worker(b).unwrap().status.routable);
 }

@@ -25,10 +25,37 @@ pub enum HubError {
     TooLarge(String),
 }
 
+/// The state of a worker's KV event stream.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum EventStream {
+    /// Never connected since registration (events off, a typo, a firewall): the engine is
+    /// routed with an empty cache, by load and text approximate mode.
+    #[default]
+    Never,
+    Connected,
+    /// Was connected and dropped; past `keep_disconnected` the worker is taken as down.
+    Dropped,
+}
+
 /// Live status of a worker, as `/workers` shows it.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct WorkerStatus {
     pub connected: bool,
+    #[serde(default)]
+    pub event_stream: EventStream,
+    /// The stream dropped longer than `keep_disconnected` ago: evidence the engine is down.
+    #[serde(default)]
+    pub stream_expired: bool,
+    /// Its `/metrics` answered once and has failed for longer than `engine_down`. Evidence
+    /// of down only while no event stream is connected: a live stream is the engine itself
+    /// speaking, and a broken metrics endpoint alone must not take a serving engine away.
+    #[serde(default)]
+    pub metrics_down: bool,
+    /// A routing candidate: registered and no evidence it is down. Not "connected": an
+    /// engine that never sent an event is routed with an empty cache.
+    #[serde(default = "routable_by_default")]
+    pub routable: bool,
     pub last_seq: Option<u64>,
     pub batches: u64,
     pub events: u64,
@@ -52,6 +79,38 @@ pub struct WorkerInfo {
     /// Distinguishes this worker from a later one in the same slot, so that a batch applied in
     /// slices stops when its worker went away between two of them.
     pub generation: u64,
+}
+
+fn routable_by_default() -> bool {
+    true
+}
+
+impl Default for WorkerStatus {
+    fn default() -> Self {
+        WorkerStatus {
+            connected: false,
+            event_stream: EventStream::Never,
+            stream_expired: false,
+            metrics_down: false,
+            routable: true,
+            last_seq: None,
+            batches: 0,
+            events: 0,
+            gaps: 0,
+            replays: 0,
+            restarts: 0,
+            decode_errors: 0,
+            orphans: 0,
+        }
+    }
+}
+
+impl WorkerStatus {
+    /// Whether there is no evidence the engine is down (see [`WorkerStatus::routable`]).
+    pub fn is_routable(&self) -> bool {
+        let down_by_metrics = self.metrics_down && !self.connected;
+        !self.stream_expired && !down_by_metrics
+    }
 }
 
 impl WorkerInfo {
