@@ -836,11 +836,9 @@ impl Engine {
         if !sr.sched.has_work() {
             return None;
         }
-        // The clock runs on from the last step (its timer may fire late), but never lags
-        // real time by more than MAX_LAG; an idle rank jumps to the next arrival.
-        let now = self.sim_time(Instant::now());
-        sr.sched
-            .advance_to(now.saturating_sub(MAX_LAG.mul_f64(self.inner.cfg.speed)));
+        // The clock runs on from the last step even when the host runs the steps late (the
+        // schedule stays exact, only its delivery lags); a rank with nothing running jumps to
+        // the next arrival. Skipping ahead instead would insert idle time that never was.
         if sr.sched.running() == 0 {
             if let Some(t) = sr.sched.next_arrival() {
                 sr.sched.advance_to(t);
@@ -900,10 +898,6 @@ impl Engine {
         }
     }
 }
-
-/// How far a stepped rank's clock may fall behind real time before it skips ahead, wall
-/// time (a host too busy to run the steps on time).
-const MAX_LAG: Duration = Duration::from_millis(50);
 
 /// The driver of stepped rank `r`: schedules a step, sleeps until it ends, completes it;
 /// parks on `wake` while there is nothing to do. Ends when the engine is dropped.
