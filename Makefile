@@ -47,6 +47,7 @@ lint: setup layout
 ## The layout rules (no import cycle between a crate's files, no oversized file without a
 ## reason): tools/layout_check.py.
 layout:
+	python3 tools/layout_check_test.py
 	python3 tools/layout_check.py
 
 ## make test: lint, the wasm build, every Rust test, the end-to-end tests through Envoy, the

@@ -26,8 +26,8 @@ use crate::edge;
 use crate::fleet::GatewayId;
 use crate::hub::{HubError, Registered};
 use crate::metrics::{EndpointLabels, FeedLabels};
+use crate::shared::AppState;
 use crate::text::{TextQueryRequest, TokenizeError, TokenizeRequest, TokenizeResponse};
-use crate::AppState;
 use kvroute::api::{
     ErrorBody, QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest,
 };

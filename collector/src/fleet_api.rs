@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::fleet::{Fleet, LoadError, LoadReport};
 use crate::metrics::ReasonLabels;
-use crate::AppState;
+use crate::shared::AppState;
 
 /// The fleet view.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

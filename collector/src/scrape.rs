@@ -24,7 +24,7 @@ use tokio::time::MissedTickBehavior;
 
 use crate::fleet::EngineSample;
 use crate::metrics::ReasonLabels;
-use crate::AppState;
+use crate::shared::AppState;
 
 /// Scrapes in flight at once.
 pub const CONCURRENCY: usize = 32;

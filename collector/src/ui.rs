@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::hub::Hub;
 use crate::metrics::FeedLabels;
-use crate::AppState;
+use crate::shared::AppState;
 pub use history::{History, SampleView, WorkerReading};
 
 /// How often the chart's sampler looks at the fleet.

@@ -48,7 +48,7 @@ use tracing::{debug, error, info, warn};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::metrics::{OutcomeLabels, WorkerLabels};
-use crate::Shared;
+use crate::shared::Shared;
 
 /// Recent `(seq, payload hash)` pairs kept per worker to tell a replay's duplicate from an
 /// engine restart.

@@ -18,9 +18,9 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 use crate::books::{self, Booked, Picture};
 use crate::config::{millis, Config, Mode, Source, Sources, DECODE_FIELDS};
 use crate::host::{self, HostStore};
+use crate::outcome::Outcome;
 use crate::text_config::{MESSAGES_FIELD, PROMPT_FIELD};
 use crate::vm::{Scratch, VmRef};
-use crate::Outcome;
 
 /// Most tokens taken from one header or metadata value.
 const MAX_STRING_TOKENS: usize = 1 << 20;

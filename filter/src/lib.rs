@@ -46,6 +46,7 @@ mod config;
 mod host;
 #[cfg(target_arch = "wasm32")]
 mod http;
+mod outcome;
 #[cfg(target_arch = "wasm32")]
 mod report;
 #[cfg(target_arch = "wasm32")]
@@ -57,6 +58,7 @@ mod text_config;
 mod vm;
 
 pub use config::{domain_matches, parse, parse_plugin, Config, ConfigError, Mode, Plugin, Source};
+pub use outcome::Outcome;
 
 // The proxy-wasm glue exists only in the wasm build; natively this crate is its pure parts
 // (the configuration parser), which the tests use to check error messages.
@@ -65,60 +67,3 @@ proxy_wasm::main! {{
     host::init_logging();
     proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> { Box::new(root::Root::new()) });
 }}
-
-/// Why a request was (not) routed. Each has a counter `kvroute.requests.<name>`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    /// Routed on a cache hit.
-    Routed,
-    /// Routed to an instance holding none of its blocks: a cold request (no hit anywhere) or
-    /// a hit elsewhere outweighed by load.
-    RoutedCold,
-    /// A cold request left to the gateway's balancing (`route.cold: defer`).
-    Deferred,
-    NoTokens,
-    NoModel,
-    NoMatch,
-    StaleIndex,
-    CollectorError,
-    BadBody,
-    TooLarge,
-    BadHeader,
-    /// A text request whose text cannot be read (bad UTF-8, content that is not text, too
-    /// many messages).
-    BadText,
-}
-
-impl Outcome {
-    pub const ALL: [Outcome; 12] = [
-        Outcome::Routed,
-        Outcome::RoutedCold,
-        Outcome::Deferred,
-        Outcome::NoTokens,
-        Outcome::NoModel,
-        Outcome::NoMatch,
-        Outcome::StaleIndex,
-        Outcome::CollectorError,
-        Outcome::BadBody,
-        Outcome::TooLarge,
-        Outcome::BadHeader,
-        Outcome::BadText,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Routed => "routed",
-            Outcome::RoutedCold => "routed_cold",
-            Outcome::Deferred => "deferred",
-            Outcome::NoTokens => "no_tokens",
-            Outcome::NoModel => "no_model",
-            Outcome::NoMatch => "no_match",
-            Outcome::StaleIndex => "stale_index",
-            Outcome::CollectorError => "collector_error",
-            Outcome::BadBody => "bad_body",
-            Outcome::TooLarge => "too_large",
-            Outcome::BadHeader => "bad_header",
-            Outcome::BadText => "bad_text",
-        }
-    }
-}

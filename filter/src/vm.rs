@@ -8,8 +8,9 @@ use kvroute::route::Roster;
 use kvroute::select::SplitMix64;
 use proxy_wasm::types::MetricType;
 
+use crate::config::Plugin;
 use crate::host;
-use crate::{Outcome, Plugin};
+use crate::outcome::Outcome;
 
 /// Metric ids of one VM.
 #[derive(Debug, Default)]
@@ -181,7 +182,7 @@ pub(crate) struct Vm {
 }
 
 impl Vm {
-    pub fn config(&self) -> &crate::Config {
+    pub fn config(&self) -> &crate::config::Config {
         &self.plugin.global
     }
 }

@@ -9,8 +9,8 @@ use super::{Http, Phase, Res, Tok};
 use crate::books::Picture;
 use crate::config::Config;
 use crate::host;
+use crate::outcome::Outcome;
 use crate::vm::{Scratch, VmRef};
-use crate::Outcome;
 
 impl Http {
     pub(super) fn call_remote(

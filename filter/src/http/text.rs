@@ -33,8 +33,8 @@ use super::{undecided, Http, Phase, Target, Text, TextPath, TextScope};
 use crate::books::Picture;
 use crate::config::{millis, Config, Mode};
 use crate::host::{self, HostStore};
+use crate::outcome::Outcome;
 use crate::vm::{Scratch, VmRef};
-use crate::Outcome;
 
 /// Most character blocks hashed (64 Mi characters at 128 per block; the body limit comes
 /// first).

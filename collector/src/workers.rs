@@ -1,0 +1,88 @@
+//! The engines' subscribers: registering a worker starts its ZMQ subscriber, unregistering
+//! stops it and forgets what it owned.
+
+use std::sync::Arc;
+
+use kvroute::event::WorkerId;
+
+use crate::hub::{HubError, Registered};
+use crate::shared::Shared;
+use crate::zmq;
+
+impl Shared {
+    /// Registers a worker and starts its subscriber when it is new.
+    ///
+    /// # Errors
+    /// See [`Hub::register`].
+    pub fn register(
+        self: &Arc<Self>,
+        req: kvroute::api::RegisterRequest,
+    ) -> Result<Registered, HubError> {
+        let outcome = self.write().register(req)?;
+        if let Registered::New(id) = outcome {
+            self.start_subscriber(id, None);
+        }
+        Ok(outcome)
+    }
+
+    /// Unregisters workers and stops their subscribers.
+    ///
+    /// # Errors
+    /// See [`Hub::unregister`].
+    pub fn unregister(&self, req: &kvroute::api::UnregisterRequest) -> Result<usize, HubError> {
+        // Fleet first (the lock order), so no load report lands between the two removals.
+        let mut fleet = self.fleet();
+        let mut hub = self.write();
+        // `Hub::unregister` names only the registered workers; their dp-rank siblings go too.
+        let before: Vec<(WorkerId, String, u32)> = hub
+            .workers()
+            .map(|w| (w.id, w.reg.instance_id.clone(), w.dp_rank()))
+            .collect();
+        let removed = hub.unregister(req)?;
+        let gone: Vec<(WorkerId, String, u32)> = before
+            .into_iter()
+            .filter(|(id, _, _)| hub.worker(*id).is_none())
+            .collect();
+        drop(hub);
+        let gone_ids: Vec<WorkerId> = gone.iter().map(|(id, _, _)| *id).collect();
+        fleet.forget_workers(&gone_ids);
+        for (_, instance, dp) in &gone {
+            self.metrics.forget_worker(instance, *dp);
+        }
+        drop(fleet);
+        let mut subs = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
+        for id in &removed {
+            if let Some(task) = subs.remove(id) {
+                task.abort();
+            }
+        }
+        Ok(removed.len())
+    }
+
+    pub(crate) fn start_subscriber(self: &Arc<Self>, id: WorkerId, last_seq: Option<u64>) {
+        let Some(sub) = zmq::Subscriber::new(self.clone(), id, last_seq) else {
+            return;
+        };
+        let task = tokio::spawn(sub.run());
+        if let Some(old) = self
+            .subscribers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, task)
+        {
+            old.abort();
+        }
+    }
+
+    /// Stops every subscriber.
+    pub fn stop_subscribers(&self) {
+        for (_, task) in self
+            .subscribers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+        {
+            task.abort();
+        }
+    }
+}
