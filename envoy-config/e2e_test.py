@@ -334,7 +334,7 @@ class E2E:
         for i in range(3):
             r, test_id = self.send(t + fresh(BS + i), url=urls["kvroute"])
             self.expect_routed(r, test_id, e, f"remote mode, body prompt #{i}")
-        # No match -> served; decided by load (issue 10) or left to Envoy, never elsewhere.
+        # No match -> served; decided by load or left to Envoy, never elsewhere.
         r, test_id = self.send(fresh(), url=urls["kvroute"])
         entry = self.expect_served(r, test_id, "remote mode, uncached prefix")
         dest = self.first_dest(entry)
@@ -365,7 +365,7 @@ class E2E:
 
 
 # --------------------------------------------------------------------------------------------
-# The load work (issue 10): every request decided, prefill released at the first body byte,
+# The load work: every request decided, prefill released at the first body byte,
 # fleet-wide load through the collector, engine metrics, speculative entries. A stack of its
 # own: 3 engines with slow decode (20 ms a token) so requests stay in flight for seconds, and
 # Envoy's fallback set to round-robin so that a request the filter leaves undecided lands

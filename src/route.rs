@@ -18,7 +18,7 @@
 //! converting tokens to blocks would pick another rank when two ranks fall into the same
 //! block count, so the rule is kept as it was.
 //!
-//! On top of the cost, [`Policy`] adds these rules (issue 10):
+//! On top of the cost, [`Policy`] adds these rules:
 //!
 //! - **Cold requests are decided** ([`Cold::Decide`], the default): when no eligible instance
 //!   holds a block of the query, the one with the least work ahead wins by the same cost

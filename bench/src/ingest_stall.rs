@@ -1,5 +1,5 @@
 //! `kvroute-bench ingest-stall`: how long a `/query` waits while one engine's huge batch
-//! (3.5M blocks by default, issue 11) goes into the collector's index.
+//! (3.5M blocks by default) goes into the collector's index.
 //!
 //! In process, on the collector's own [`Shared`] state: a querier thread asks the hub for a
 //! small, already-indexed prompt's matches without pause (taking the read lock as the `/query`

@@ -1,4 +1,4 @@
-//! The `text` scenario (issue 14): the trace's requests as text, on a fleet whose engines
+//! The `text` scenario: the trace's requests as text, on a fleet whose engines
 //! tokenize with a real model tokenizer (Qwen3 by default), the collector holding the same one.
 //!
 //! Every request's text is [`TraceRecord::text`] (whole 512-token blocks per `hash_id`, so

@@ -1,5 +1,5 @@
 //! `kvroute-bench soak`: the real `kvroute-collector` binary under a steady fleet and hostile
-//! peers for `--minutes`, its memory sampled every second (issue 11).
+//! peers for `--minutes`, its memory sampled every second.
 //!
 //! - **fleet**: `--engines` simulated vLLM engines (`kvroute_sim::publisher`, real ZMQ on
 //!   loopback), registered over `/register`. Each stores prompts that share system-prompt
