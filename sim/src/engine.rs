@@ -1,6 +1,10 @@
 //! A simulated LLM engine: vLLM's scheduling and prefix caching reduced to their effect on
 //! time to first token, behind an OpenAI-style HTTP API, publishing real-format KV events.
 //!
+//! One concern: one engine's request lifecycle (admission, prefill, decode, release) and the
+//! cache events it publishes, for both engine models; the stepped model's scheduler is in
+//! [`stepped`], the HTTP surface in `http`.
+//!
 //! Two timing models, chosen per engine by [`EngineConfig::engine_model`]: the serial model
 //! below (the default, the one the router's defaults were tuned on), and the stepped model
 //! of [`stepped`], vLLM V1's scheduler step by step, where decodes share each step's token
