@@ -327,14 +327,16 @@ pub fn decide(
             .filter(|(_, (_, c))| competes(c))
             .map(|(k, (i, c))| (k, i, cost(c)))
     };
-    let (best, runner_up) = if policy.temperature > 0.0 {
-        select::sample(scored().map(|(_, i, c)| (i, c)), policy.temperature, rng)?
-    } else {
+    let (best, runner_up) = if policy.replica.count > 1 && policy.temperature <= 0.0 {
         select::rank_preferring(
             scored().map(|(k, i, c)| (i, c, policy.replica.owns(k))),
             policy.replica_tie_band,
             rng,
         )?
+    } else {
+        // Alone every contender is in the share, so there is no band to look through; at
+        // temperature 0 `sample` is `rank`.
+        select::sample(scored().map(|(_, i, c)| (i, c)), policy.temperature, rng)?
     };
     let c = contenders.get(best)?;
     Some(Decision {

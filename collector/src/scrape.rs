@@ -300,6 +300,20 @@ pub struct Target {
     pub workers: Vec<(WorkerId, u32)>,
 }
 
+impl Target {
+    /// The `(worker, rank)`s still registered at this address: one unregistered (and its
+    /// slot perhaps reused) while a scrape ran must not get this engine's figures.
+    pub fn still_registered<'a>(
+        &'a self,
+        hub: &'a crate::hub::Hub,
+    ) -> impl Iterator<Item = (WorkerId, u32)> + 'a {
+        self.workers.iter().copied().filter(move |&(worker, rank)| {
+            hub.worker(worker)
+                .is_some_and(|w| w.address() == self.address && w.dp_rank() == rank)
+        })
+    }
+}
+
 /// The engines of the worker table, one per serving address.
 pub fn targets<'a>(workers: impl Iterator<Item = &'a crate::hub::WorkerInfo>) -> Vec<Target> {
     let mut by_addr: BTreeMap<&str, Vec<(WorkerId, u32)>> = BTreeMap::new();
@@ -377,17 +391,13 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
                         tracing::info!(address = %t.address, "engine metrics answer again; routed to again");
                         mark_down(&state, &t, false);
                     }
-                    // Lock order: fleet, then hub. A worker unregistered (and its slot
-                    // perhaps reused) while the scrape ran must not get this engine's figures.
+                    // Lock order: fleet, then hub.
                     let mut fleet = state.fleet();
                     let hub = state.read();
-                    for (worker, rank) in &t.workers {
-                        let same = hub
-                            .worker(*worker)
-                            .is_some_and(|w| w.address() == t.address && w.dp_rank() == *rank);
-                        if let (true, Some(f)) = (same, ranks.get(rank)) {
+                    for (worker, rank) in t.still_registered(&hub) {
+                        if let Some(f) = ranks.get(&rank) {
                             fleet.set_engine(
-                                *worker,
+                                worker,
                                 EngineSample {
                                     waiting: f.waiting,
                                     running: f.running,
@@ -436,13 +446,9 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
 /// Marks the workers of `t` (those still registered at its address) down or up again.
 fn mark_down(state: &AppState, t: &Target, is_down: bool) {
     let mut hub = state.write();
-    for (worker, rank) in &t.workers {
-        let same = hub
-            .worker(*worker)
-            .is_some_and(|w| w.address() == t.address && w.dp_rank() == *rank);
-        if same {
-            hub.set_metrics_down(*worker, is_down);
-        }
+    let workers: Vec<(WorkerId, u32)> = t.still_registered(&hub).collect();
+    for (worker, _) in workers {
+        hub.set_metrics_down(worker, is_down);
     }
     drop(hub);
     state.notify();

@@ -189,42 +189,7 @@ impl KvCache {
         output_tokens: usize,
     ) -> Result<Admission, AdmitError> {
         let bs = self.cfg.block_size_tokens;
-        let total = self.blocks_needed(prompt.len(), output_tokens);
-        if total > self.cfg.capacity_blocks {
-            return Err(AdmitError::TooLarge {
-                needed: total,
-                capacity: self.cfg.capacity_blocks,
-            });
-        }
-        let hit = self.hit_blocks(hashes, prompt.len());
-        let hit_ids: Vec<usize> = hashes[..hit].iter().map(|h| self.by_hash[h]).collect();
-        let hit_free = hit_ids
-            .iter()
-            .filter(|&&b| self.blocks[b].ref_cnt == 0)
-            .count();
-        let fresh = total - hit;
-        if self.free.len() < fresh + hit_free {
-            return Err(AdmitError::NotEnoughFree {
-                needed: fresh + hit_free,
-                free: self.free.len(),
-            });
-        }
-        // Touch the hits first so the allocation below cannot evict them.
-        for &b in &hit_ids {
-            self.take_ref(b);
-        }
-        let mut events = Vec::new();
-        let mut ids = hit_ids;
-        for _ in 0..fresh {
-            let (_, b) = self.free.pop_first().expect("free count checked above");
-            self.blocks[b].free_stamp = None;
-            if let Some(old) = self.blocks[b].hash.take() {
-                self.by_hash.remove(&old);
-                events.push(CacheEvent::BlockRemoved { hash: old });
-            }
-            self.blocks[b].ref_cnt = 1;
-            ids.push(b);
-        }
+        let (hit, ids, mut events) = self.allocate(prompt.len(), hashes, output_tokens)?;
         // Cache the new full prompt blocks, in runs of consecutive newly cached blocks.
         let mut run: Option<(Option<EngineHash>, Vec<EngineHash>, Vec<u32>)> = None;
         for (i, &h) in hashes.iter().enumerate().skip(hit) {
@@ -278,34 +243,7 @@ impl KvCache {
         hashes: &[EngineHash],
         output_tokens: usize,
     ) -> Result<Admission, AdmitError> {
-        let total = self.blocks_needed(prompt.len(), output_tokens);
-        if total > self.cfg.capacity_blocks {
-            return Err(AdmitError::TooLarge {
-                needed: total,
-                capacity: self.cfg.capacity_blocks,
-            });
-        }
-        let hit = self.hit_blocks(hashes, prompt.len());
-        let hit_ids: Vec<usize> = hashes[..hit].iter().map(|h| self.by_hash[h]).collect();
-        let hit_free = hit_ids
-            .iter()
-            .filter(|&&b| self.blocks[b].ref_cnt == 0)
-            .count();
-        let fresh = total - hit;
-        if self.free.len() < fresh + hit_free {
-            return Err(AdmitError::NotEnoughFree {
-                needed: fresh + hit_free,
-                free: self.free.len(),
-            });
-        }
-        for &b in &hit_ids {
-            self.take_ref(b);
-        }
-        let mut events = Vec::new();
-        let mut ids = hit_ids;
-        for _ in 0..fresh {
-            ids.push(self.take_fresh(&mut events));
-        }
+        let (hit, ids, events) = self.allocate(prompt.len(), hashes, output_tokens)?;
         let request = RequestId(self.next_request);
         self.next_request += 1;
         self.running.insert(request, ids);
@@ -413,6 +351,47 @@ impl KvCache {
     }
 
     /// Takes the free queue's front block for a request, evicting its hash.
+    /// Takes a reference on the prompt's cached leading blocks and allocates the rest (the
+    /// evictions go into the returned events): `(hit blocks, block ids in prompt order,
+    /// events)`. Nothing changes on an error.
+    fn allocate(
+        &mut self,
+        prompt_len: usize,
+        hashes: &[EngineHash],
+        output_tokens: usize,
+    ) -> Result<(usize, Vec<usize>, Vec<CacheEvent>), AdmitError> {
+        let total = self.blocks_needed(prompt_len, output_tokens);
+        if total > self.cfg.capacity_blocks {
+            return Err(AdmitError::TooLarge {
+                needed: total,
+                capacity: self.cfg.capacity_blocks,
+            });
+        }
+        let hit = self.hit_blocks(hashes, prompt_len);
+        let hit_ids: Vec<usize> = hashes[..hit].iter().map(|h| self.by_hash[h]).collect();
+        let hit_free = hit_ids
+            .iter()
+            .filter(|&&b| self.blocks[b].ref_cnt == 0)
+            .count();
+        let fresh = total - hit;
+        if self.free.len() < fresh + hit_free {
+            return Err(AdmitError::NotEnoughFree {
+                needed: fresh + hit_free,
+                free: self.free.len(),
+            });
+        }
+        // Touch the hits first so the allocation below cannot evict them.
+        for &b in &hit_ids {
+            self.take_ref(b);
+        }
+        let mut events = Vec::new();
+        let mut ids = hit_ids;
+        for _ in 0..fresh {
+            ids.push(self.take_fresh(&mut events));
+        }
+        Ok((hit, ids, events))
+    }
+
     fn take_fresh(&mut self, events: &mut Vec<CacheEvent>) -> usize {
         let (_, b) = self
             .free

@@ -384,32 +384,26 @@ impl Hub {
 
     /// Records whether `worker`'s engine metrics have been failing past the down limit.
     pub fn set_metrics_down(&mut self, worker: WorkerId, down: bool) {
+        self.update_worker_status(worker, |s| s.metrics_down = down);
+    }
+
+    /// Applies `f` to the status of `source`'s family (see [`Hub::update_worker_status`]).
+    fn update_status(&mut self, source: WorkerId, f: impl Fn(&mut WorkerStatus)) {
+        for id in self.family(source) {
+            self.update_worker_status(id, &f);
+        }
+    }
+
+    /// Applies `f` to `worker`'s status and tells the feed when its routability changed.
+    fn update_worker_status(&mut self, worker: WorkerId, f: impl Fn(&mut WorkerStatus)) {
         let Some(w) = self.worker_mut(worker) else {
             return;
         };
         let was = w.status.is_routable();
-        w.status.metrics_down = down;
-        w.status.routable = w.status.is_routable();
-        if was != w.status.routable {
+        f(&mut w.status);
+        if was != w.status.is_routable() {
             let op = worker_op(w);
             self.feed.push_op(op);
-        }
-    }
-
-    /// Applies `f` to the status of `source`'s family and tells the feed of each worker whose
-    /// routability changed.
-    fn update_status(&mut self, source: WorkerId, f: impl Fn(&mut WorkerStatus)) {
-        for id in self.family(source) {
-            let Some(w) = self.worker_mut(id) else {
-                continue;
-            };
-            let was = w.status.is_routable();
-            f(&mut w.status);
-            w.status.routable = w.status.is_routable();
-            if was != w.status.routable {
-                let op = worker_op(w);
-                self.feed.push_op(op);
-            }
         }
     }
 }

@@ -190,35 +190,35 @@ fn an_engine_is_routable_unless_there_is_evidence_it_is_down() {
     let is_live = |op: Op| matches!(op, Op::Worker { live: true, .. });
     // Registered, no event ever: a candidate with an empty cache.
     assert_eq!(status(&h).event_stream, EventStream::Never);
-    assert!(status(&h).routable && is_live(live_in_feed(&h)));
+    assert!(status(&h).is_routable() && is_live(live_in_feed(&h)));
     // Metrics failing while no stream ever connected: the only evidence there is.
     let entries = h.feed.len();
     h.set_metrics_down(a, true);
-    assert!(!status(&h).routable && !is_live(live_in_feed(&h)));
+    assert!(!status(&h).is_routable() && !is_live(live_in_feed(&h)));
     assert_eq!(h.feed.len(), entries + 1, "the feed hears of it");
     h.set_metrics_down(a, false);
-    assert!(status(&h).routable);
+    assert!(status(&h).is_routable());
     // Connected: a failing /metrics alone does not take a live stream's engine away.
     h.set_connected(a, true);
     h.set_metrics_down(a, true);
     assert_eq!(status(&h).event_stream, EventStream::Connected);
-    assert!(status(&h).routable);
+    assert!(status(&h).is_routable());
     // Dropped: still routable until keep_disconnected passes, and now the metrics count.
     h.set_metrics_down(a, false);
     h.set_connected(a, false);
     assert_eq!(status(&h).event_stream, EventStream::Dropped);
-    assert!(status(&h).routable);
+    assert!(status(&h).is_routable());
     let entries = h.feed.len();
     h.set_stream_expired(a);
-    assert!(!status(&h).routable && !is_live(live_in_feed(&h)));
+    assert!(!status(&h).is_routable() && !is_live(live_in_feed(&h)));
     assert_eq!(h.feed.len(), entries + 1);
     // Back: reconnecting clears the expiry.
     h.set_connected(a, true);
-    assert!(status(&h).routable && !status(&h).stream_expired);
+    assert!(status(&h).is_routable() && !status(&h).stream_expired);
     // An expiry never applies to a stream that never connected.
     let Registered::New(b) = h.register(reg("b", "tcp://10.0.0.6:5557")).unwrap() else {
         panic!()
     };
     h.set_stream_expired(b);
-    assert!(h.worker(b).unwrap().status.routable);
+    assert!(h.worker(b).unwrap().status.is_routable());
 }

@@ -39,7 +39,7 @@ pub enum EventStream {
 }
 
 /// Live status of a worker, as `/workers` shows it.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct WorkerStatus {
     pub connected: bool,
     #[serde(default)]
@@ -52,10 +52,6 @@ pub struct WorkerStatus {
     /// speaking, and a broken metrics endpoint alone must not take a serving engine away.
     #[serde(default)]
     pub metrics_down: bool,
-    /// A routing candidate: registered and no evidence it is down. Not "connected": an
-    /// engine that never sent an event is routed with an empty cache.
-    #[serde(default = "routable_by_default")]
-    pub routable: bool,
     pub last_seq: Option<u64>,
     pub batches: u64,
     pub events: u64,
@@ -81,32 +77,9 @@ pub struct WorkerInfo {
     pub generation: u64,
 }
 
-fn routable_by_default() -> bool {
-    true
-}
-
-impl Default for WorkerStatus {
-    fn default() -> Self {
-        WorkerStatus {
-            connected: false,
-            event_stream: EventStream::Never,
-            stream_expired: false,
-            metrics_down: false,
-            routable: true,
-            last_seq: None,
-            batches: 0,
-            events: 0,
-            gaps: 0,
-            replays: 0,
-            restarts: 0,
-            decode_errors: 0,
-            orphans: 0,
-        }
-    }
-}
-
 impl WorkerStatus {
-    /// Whether there is no evidence the engine is down (see [`WorkerStatus::routable`]).
+    /// A routing candidate: registered and no evidence it is down. Not "connected": an
+    /// engine that never sent an event is routed with an empty cache.
     pub fn is_routable(&self) -> bool {
         let down_by_metrics = self.metrics_down && !self.connected;
         !self.stream_expired && !down_by_metrics
@@ -143,6 +116,9 @@ pub struct WorkerView {
     /// Registered directly (false: named by a batch's dp rank).
     pub registered: bool,
     pub blocks: u64,
+    /// [`WorkerStatus::is_routable`].
+    #[serde(default)]
+    pub routable: bool,
     #[serde(flatten)]
     pub status: WorkerStatus,
 }
