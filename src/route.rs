@@ -41,7 +41,8 @@
 //!   instance in the shared instance order is replica `k mod n`'s). A replica learns of the
 //!   others' bookings only through the collector, one or two sync periods late; on an idle or
 //!   evenly loaded fleet every replica would see the same exact ties, and affinity makes them
-//!   pick different engines. It is only a tie-breaker: the winner's cost is never more than
+//!   pick different engines. Engines tied on a hit stay a random pick. It is only a
+//!   tie-breaker: the winner's cost is never more than
 //!   the band above the cheapest contender's, so no replica count or share can send a request
 //!   to a busier engine while a free one exists (the band is below one in-flight request's
 //!   weight by default).
@@ -320,16 +321,18 @@ pub fn decide(
         };
         select::cost(&cand, query.blocks, query.block_size, &policy.weights)
     };
-    // (share position k, contender index i, cost)
+    // (whether this replica's share prefers it, contender index i, cost). Affinity splits
+    // only instances holding nothing of the prompt: engines tied on a hit stay a random pick,
+    // so a prefix cached on two engines is not pinned to one gateway's share.
     let scored = || {
         eligible()
             .enumerate()
             .filter(|(_, (_, c))| competes(c))
-            .map(|(k, (i, c))| (k, i, cost(c)))
+            .map(|(k, (i, c))| (policy.replica.owns(k) && !hit(c), i, cost(c)))
     };
     let (best, runner_up) = if policy.replica.count > 1 && policy.temperature <= 0.0 {
         select::rank_preferring(
-            scored().map(|(k, i, c)| (i, c, policy.replica.owns(k))),
+            scored().map(|(home, i, c)| (i, c, home)),
             policy.replica_tie_band,
             rng,
         )?
@@ -816,6 +819,15 @@ mod tests {
             with_policy(&[idle(0), idle(10)], &of(0, 2)).unwrap().best,
             1
         );
+        // Two engines tied on the same hit: a random pick, whichever share they are in.
+        let tied: Vec<usize> = (0..40)
+            .map(|s| {
+                decide(&[idle(8), idle(8)], Q, &of(0, 2), &mut SplitMix64(s))
+                    .unwrap()
+                    .best
+            })
+            .collect();
+        assert!(tied.contains(&0) && tied.contains(&1), "{tied:?}");
         // The runner-up is the cheapest of the others, in either share.
         let three = [loaded(0, 0, 4), loaded(0, 0, 0), loaded(0, 3, 0)];
         let d = with_policy(&three, &of(0, 2)).unwrap();
