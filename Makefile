@@ -17,7 +17,7 @@ FIXTURES   := $(foreach f,$(wildcard host-test/fixtures/*/Cargo.toml),-p $(shell
 
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all setup wasm wasm-unbooked native lint layout test test-rust test-e2e bench bench-routing bench-collector bench-ingest-stall bench-soak bench-latency demo clean js js-tools test-js bench-js
+.PHONY: all setup wasm wasm-unbooked native lint layout test test-rust test-e2e bench bench-routing bench-routing-scenarios bench-collector bench-ingest-stall bench-soak bench-latency demo clean js js-tools test-js bench-js
 
 all: wasm native
 
@@ -89,6 +89,13 @@ bench: setup wasm wasm-unbooked
 ## collector) beside every other policy, three scenarios, one simulated fleet (~10 minutes).
 bench-routing: wasm
 	bash bench/scripts/bench-routing.sh --speed 10 --limit 2000 --engines 4
+
+## make bench-routing-scenarios: the same comparison where the defaults were not fitted: an
+## uneven split between two gateways, a slow engine, no KV events, long outputs, an engine
+## failing and restarting, 16 engines, a shared-prefix workload (see bench/src/routing/scenarios.rs).
+bench-routing-scenarios: wasm
+	bash bench/scripts/bench-routing.sh --speed 10 --limit 500 --engines 4 \
+	  --scenarios uneven,heterogeneous,no-events,decode-heavy,failure,scale,shared-prefix
 
 ## make bench-collector: ingest and /query against Dynamo's indexer (installs it in a venv).
 bench-collector:

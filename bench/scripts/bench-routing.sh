@@ -16,6 +16,9 @@
 #   bench/scripts/bench-routing.sh --speed 10 --limit 2000     # make bench-routing (~10 min)
 #   bench/scripts/bench-routing.sh --limit 300 --scenarios trace  # a quick look
 #   bench/scripts/bench-routing.sh --speed 10 --limit 2000 --scenarios text  # text routing only
+#   bench/scripts/bench-routing.sh --limit 200 --scenarios failure  # one of the scenarios run only
+#     when named: uneven, heterogeneous, no-events, decode-heavy, failure, scale, shared-prefix
+#     (make bench-routing-scenarios runs them all)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=sim/.venv-peers

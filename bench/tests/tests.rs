@@ -5,3 +5,5 @@
 mod events;
 // The routing bench's KV-aware policies against a real collector and the oracle.
 mod routing;
+// The extra routing scenarios end to end on a few requests, in-process policies only.
+mod scenarios;

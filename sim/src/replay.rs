@@ -182,6 +182,9 @@ pub struct ReplayConfig {
     pub arrival_scale: f64,
     /// Prepared prompts (text APIs need them; token ids override the trace's when present).
     pub prompts: Option<Arc<Prompts>>,
+    /// Send a failed request once more, at once (its result is then the second attempt's,
+    /// marked [`RequestResult::retried`]). Default false.
+    pub retry_once: bool,
 }
 
 impl Default for ReplayConfig {
@@ -195,6 +198,7 @@ impl Default for ReplayConfig {
             max_output_tokens: None,
             arrival_scale: 1.0,
             prompts: None,
+            retry_once: false,
         }
     }
 }
@@ -218,6 +222,9 @@ pub struct RequestResult {
     pub cached_tokens: Option<usize>,
     pub status: u16,
     pub error: Option<String>,
+    /// The first attempt failed and this is the second's outcome ([`ReplayConfig::retry_once`]).
+    #[serde(default)]
+    pub retried: bool,
 }
 
 impl RequestResult {
@@ -363,7 +370,11 @@ pub async fn run(
         let progress = progress.clone();
         handles.push(tokio::spawn(async move {
             tokio::time::sleep_until(due.into()).await;
-            let r = one(index, offset_s, &rec, &client, &target, &cfg).await;
+            let mut r = one(index, offset_s, &rec, &client, &target, &cfg).await;
+            if cfg.retry_once && !r.ok() {
+                r = one(index, offset_s, &rec, &client, &target, &cfg).await;
+                r.retried = true;
+            }
             if let Some(p) = progress {
                 p.inc(1);
             }
@@ -385,6 +396,7 @@ pub async fn run(
             cached_tokens: None,
             status: 0,
             error: Some(format!("task: {e}")),
+            retried: false,
         }));
     }
     out
@@ -415,6 +427,7 @@ async fn one(
         cached_tokens: None,
         status: 0,
         error: None,
+        retried: false,
     };
     let BodyPrompt {
         path,
@@ -589,6 +602,7 @@ mod tests {
             cached_tokens: None,
             status: 200,
             error: None,
+            retried: false,
         };
         let tail = b"data: {\"system_fingerprint\":\"e1\",\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n";
         parse_tail(tail, &mut r);
@@ -652,6 +666,7 @@ mod tests {
             cached_tokens: Some(5),
             status: 200,
             error: None,
+            retried: false,
         };
         parse_tail(
             b"data: {\"usage\":{\"prompt_tokens\":1030}}\n\ndata: [DONE]\n\n",
@@ -675,6 +690,7 @@ mod tests {
             cached_tokens: Some(cached),
             status: 200,
             error: None,
+            retried: false,
         };
         let s = summarize(
             &[mk(0, "a", 0), mk(1, "a", 50), mk(2, "b", 100)],

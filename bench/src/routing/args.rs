@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 /// All policies.
-pub const POLICIES: [&str; 14] = [
+pub const POLICIES: [&str; 16] = [
     "round-robin",
     "least-request",
     "kvroute-inproc",
@@ -18,6 +18,8 @@ pub const POLICIES: [&str; 14] = [
     "kvroute-text-chat",
     "kvroute-text-prompt",
     "kvroute-text-approx",
+    "kvroute-2gw-80-20",
+    "kvroute-2gw-95-5",
 ];
 
 /// The scenarios and their policies, in run order.
@@ -57,6 +59,33 @@ pub const SCENARIOS: [(&str, &[&str]); 4] = [
         ],
     ),
 ];
+
+/// The scenarios run only when `--scenarios` names them (`make bench-routing-scenarios`), and
+/// their policies, in run order: each on a fleet of its own (see [`super::scenarios`]).
+pub const EXTRA_SCENARIOS: [(&str, &[&str]); 7] = [
+    (
+        "uneven",
+        &[
+            "round-robin",
+            "least-request",
+            "vllm-router",
+            "kvroute-2gw-80-20",
+            "kvroute-2gw-95-5",
+        ],
+    ),
+    ("heterogeneous", &BASELINES_AND_KVROUTE),
+    ("no-events", &BASELINES_AND_KVROUTE),
+    ("decode-heavy", &BASELINES_AND_KVROUTE),
+    ("failure", &BASELINES_AND_KVROUTE),
+    (
+        "scale",
+        &["round-robin", "least-request", "vllm-router", "kvroute-2gw"],
+    ),
+    ("shared-prefix", &BASELINES_AND_KVROUTE),
+];
+
+/// The policies of most extra scenarios: the shipped path beside the peer and two blind ones.
+const BASELINES_AND_KVROUTE: [&str; 4] = ["round-robin", "least-request", "vllm-router", "kvroute"];
 
 /// How the gateway's and collector's own periods relate to the simulation's clock.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,7 +133,8 @@ pub struct BenchArgs {
     /// Comma-separated policies to run (default: all), in every scenario that has them.
     #[arg(long, value_delimiter = ',', default_values_t = POLICIES.map(String::from))]
     pub policies: Vec<String>,
-    /// Comma-separated scenarios: trace, replicas, burst, text (default: all).
+    /// Comma-separated scenarios: trace, replicas, burst, text (the default), and uneven,
+    /// heterogeneous, no-events, decode-heavy, failure, scale, shared-prefix (named only).
     #[arg(long, value_delimiter = ',', default_values_t = SCENARIOS.map(|s| s.0.to_string()))]
     pub scenarios: Vec<String>,
     /// Runs of each policy per scenario, interleaved across the policies. Tables, plots and
@@ -188,6 +218,23 @@ pub struct BenchArgs {
     /// tokenizer.json and tokenizer_config.json.
     #[arg(long, default_value = "testdata/tokenizer/qwen3")]
     pub text_tokenizer: PathBuf,
+    /// `heterogeneous`: engine 0's prefill and decode rates relative to the others'.
+    #[arg(long, default_value_t = 0.5)]
+    pub slow_engine_speed: f64,
+    /// `decode-heavy`: the slice's total decode time over its total prefill time (the trace's
+    /// own outputs give ~2.5 at the default rates; outputs are stretched by one factor).
+    #[arg(long, default_value_t = 10.0)]
+    pub decode_ratio: f64,
+    /// `scale`: engines of its fleet (two gateways in front).
+    #[arg(long, default_value_t = 16)]
+    pub scale_engines: usize,
+    /// `scale`: the prefill utilisation its arrival rate is set for (all prompt tokens
+    /// counted as computed).
+    #[arg(long, default_value_t = 0.6)]
+    pub scale_utilization: f64,
+    /// `shared-prefix`: requests (default: `--limit`, else 800).
+    #[arg(long)]
+    pub shared_prefix_requests: Option<usize>,
     /// Window of the hit-rate-over-time plot, trace seconds.
     #[arg(long, default_value_t = 30.0)]
     pub window_s: f64,

@@ -24,17 +24,24 @@
 //!   (c: a hot shared prefix, see [`burst`]) and `text` (the trace as chat and prompt text on
 //!   a second fleet with a real tokenizer, see [`text`]). Each writes `<out>/<scenario>/`; `<out>/results.md`
 //!   holds every table and the targets.
+//! - Extra scenarios, run only when named: `uneven`, `heterogeneous`, `no-events`,
+//!   `decode-heavy`, `failure`, `scale`, `shared-prefix`, each on a fleet and collector of its
+//!   own (see [`scenarios`]).
 //! - Times are simulated seconds (measured wall time × `--speed`).
 
 pub mod args;
 pub mod burst;
+pub mod failure;
 pub mod fleet;
 pub mod floor;
 pub mod gateway;
 pub mod peers;
 pub mod policy;
 pub mod report;
+pub mod scenarios;
+pub mod split;
 pub mod text;
+pub mod workload;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -44,7 +51,7 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-pub use args::{BenchArgs, Clock, MODEL, POLICIES, SCENARIOS};
+pub use args::{BenchArgs, Clock, EXTRA_SCENARIOS, MODEL, POLICIES, SCENARIOS};
 use args::{SPECULATIVE_TTL_MS, SYNC_INTERVAL_MS};
 use fleet::{drain, drain_and_reset, engine_load};
 pub use fleet::{start_collector, start_fleet, start_fleet_with, Fleet};
@@ -68,6 +75,14 @@ struct Ctx {
     style: ProgressStyle,
     /// The text scenario's prepared prompts (its policies then run as [`text::policy`] says).
     prompts: Option<Arc<Prompts>>,
+    /// Arrival-rate multiplier of the replays (`--rate-scale` unless a scenario sets one).
+    rate_scale: f64,
+    /// The client sends a failed request once more.
+    retry_once: bool,
+    /// The engine that fails during each run and the front it is reached through.
+    failure: Option<Arc<(kvroute_sim::engine::Engine, failure::Front)>>,
+    /// Dropped or sent: the collector stops.
+    _collector_stop: tokio::sync::oneshot::Sender<()>,
 }
 
 /// A routing target and what to release after the run.
@@ -117,14 +132,18 @@ impl Ctx {
         gateway: Result<GatewaySetup, String>,
         prompts: Option<Arc<Prompts>>,
     ) -> anyhow::Result<Ctx> {
-        let collector = start_collector(a, &fleet).await?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let collector = fleet::start_collector_until(a, &fleet, async {
+            let _ = stopped.await;
+        })
+        .await?;
         let peer_engines = fleet
-            .engines
+            .event_endpoints
             .iter()
             .zip(&fleet.urls)
-            .map(|(e, u)| PeerEngine {
+            .map(|((ep, _), u)| PeerEngine {
                 url: u.clone(),
-                events_endpoint: e.event_endpoints()[0].0.clone(),
+                events_endpoint: ep.clone(),
             })
             .collect();
         Ok(Ctx {
@@ -140,7 +159,16 @@ impl Ctx {
             .progress_chars("=> "),
             a: a.clone(),
             prompts,
+            rate_scale: a.rate_scale,
+            retry_once: false,
+            failure: None,
+            _collector_stop: stop,
         })
+    }
+
+    /// Stops the engines' servers, and the collector (its stop sender goes with `self`).
+    fn stop(self) {
+        self.fleet.stop();
     }
 
     async fn prepare(&self, name: &str) -> anyhow::Result<Prepared> {
@@ -193,22 +221,12 @@ impl Ctx {
                 );
                 routed(k.clone(), Some(k))
             }
-            "kvroute"
-            | "kvroute-2gw"
-            | "kvroute-2gw-nofleet"
-            | "kvroute-ids"
-            | "kvroute-text-chat"
-            | "kvroute-text-prompt"
-            | "kvroute-text-approx" => {
+            name if shipped_gateways(name).is_some() => {
                 let setup = match &self.gateway {
                     Ok(s) => s,
                     Err(why) => return Ok(Prepared::Skipped(why.clone())),
                 };
-                let n = if name.starts_with("kvroute-2gw") {
-                    2
-                } else {
-                    1
-                };
+                let n = shipped_gateways(name).unwrap_or(1);
                 let mut keys = text
                     .as_ref()
                     .map_or_else(serde_json::Map::new, |t| t.filter_keys.clone());
@@ -246,6 +264,8 @@ impl Ctx {
                 Prepared::Run {
                     target: if n == 1 {
                         Target::Url(urls[0].clone())
+                    } else if let Some(w) = split::weights(name) {
+                        Target::Routed(Arc::new(split::Split::new(urls, w)))
                     } else {
                         Target::Routed(Arc::new(Alternate::new(urls)))
                     },
@@ -317,15 +337,25 @@ impl Ctx {
             speed,
             api,
             model: self.fleet.model.clone(),
-            arrival_scale: self.a.rate_scale,
+            arrival_scale: self.rate_scale,
             prompts: self.prompts.clone(),
+            retry_once: self.retry_once,
             ..ReplayConfig::default()
         };
         let bar = ProgressBar::new(records.len() as u64)
             .with_style(self.style.clone())
             .with_prefix(name.to_string());
         let started = Instant::now();
+        let chaos = self.failure.clone().map(|f| {
+            let schedule = failure::FailureSchedule::of(records, speed, self.rate_scale);
+            tokio::spawn(async move { failure::run(&f.0, &f.1, schedule).await })
+        });
         let per_request = replay::run(records, target, &cfg, Some(bar.clone())).await;
+        if let Some(c) = chaos {
+            if !c.await.unwrap_or(false) {
+                eprintln!("bench: {scenario}/{name}: the failed engine still held requests at its restart; its cache was not emptied");
+            }
+        }
         let wall_s = started.elapsed().as_secs_f64();
         let summary = replay::summarize(&per_request, &self.fleet.names);
         let line = format!(
@@ -351,7 +381,7 @@ impl Ctx {
         }
         drain(&self.fleet).await;
         let engines = engine_load(&self.fleet);
-        let capacity = self.a.engines as f64 * self.a.prefill_tokens_per_s * summary.duration_s;
+        let capacity = self.fleet.prefill_tokens_per_s.iter().sum::<f64>() * summary.duration_s;
         Ok(PolicyResult {
             policy: name.to_string(),
             skipped: None,
@@ -378,6 +408,19 @@ impl Ctx {
             ),
             results: per_request,
         })
+    }
+}
+
+/// The gateways a shipped-path policy runs (`None`: not one of them).
+fn shipped_gateways(name: &str) -> Option<usize> {
+    match name {
+        "kvroute"
+        | "kvroute-ids"
+        | "kvroute-text-chat"
+        | "kvroute-text-prompt"
+        | "kvroute-text-approx" => Some(1),
+        "kvroute-2gw" | "kvroute-2gw-nofleet" | "kvroute-2gw-80-20" | "kvroute-2gw-95-5" => Some(2),
+        _ => None,
     }
 }
 
@@ -433,15 +476,21 @@ async fn gateway_setup(a: &BenchArgs) -> anyhow::Result<GatewaySetup> {
 /// # Errors
 /// Setup failures (trace, sockets, collector); a policy that cannot run is skipped instead.
 pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
-    let mut records =
-        trace::load(&a.trace).with_context(|| format!("trace {}", a.trace.display()))?;
-    if let Some(l) = a.limit {
-        records.truncate(l);
-    }
+    let full = trace::load(&a.trace).with_context(|| format!("trace {}", a.trace.display()))?;
+    let records = full[..a.limit.map_or(full.len(), |l| l.min(full.len()))].to_vec();
     for s in &a.scenarios {
         anyhow::ensure!(
-            SCENARIOS.iter().any(|(n, _)| n == s),
-            "unknown scenario {s:?} (known: trace, replicas, burst, text)"
+            SCENARIOS
+                .iter()
+                .chain(&EXTRA_SCENARIOS)
+                .any(|(n, _)| n == s),
+            "unknown scenario {s:?} (known: {})",
+            SCENARIOS
+                .iter()
+                .chain(&EXTRA_SCENARIOS)
+                .map(|s| s.0)
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("create {}", a.out.display()))?;
@@ -464,7 +513,11 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
         a.scenarios.join(", ")
     );
     // The token-id scenarios' fleet (toy tokenizer); the text scenario gets its own below.
-    let ids_ctx = if a.scenarios.iter().any(|s| s != "text") {
+    let ids_ctx = if a
+        .scenarios
+        .iter()
+        .any(|s| s != "text" && SCENARIOS.iter().any(|(n, _)| n == s))
+    {
         Some(Ctx::new(&a, start_fleet(&a).await?, gateway.clone(), None).await?)
     } else {
         None
@@ -496,21 +549,23 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
         } else {
             (&records, a.speed)
         };
-        let wanted: Vec<&str> = policies
-            .iter()
-            .copied()
-            .filter(|p| a.policies.iter().any(|x| x == p))
-            .collect();
-        // Runs interleave (A, B, A, B, ...), so a slow phase of the machine hits every policy.
-        let mut runs: Vec<Vec<PolicyResult>> = vec![Vec::new(); wanted.len()];
-        for _ in 0..a.repeat.max(1) {
-            for (name, r) in wanted.iter().zip(runs.iter_mut()) {
-                r.push(ctx.run(scenario, name, recs, speed).await?);
-            }
-        }
-        let results: Vec<PolicyResult> = runs.into_iter().filter_map(report::median_run).collect();
-        write_scenario(&a, scenario, &results)?;
+        let results = run_policies(ctx, scenario, policies, recs, speed).await?;
+        write_scenario(&a, scenario, &results, a.engines, "")?;
         all.push((scenario.to_string(), results));
+    }
+    let mut notes = Vec::new();
+    for (scenario, policies) in EXTRA_SCENARIOS {
+        if !a.scenarios.iter().any(|s| s == scenario) {
+            continue;
+        }
+        let plan = scenarios::plan(scenario, &a, &full).context("scenario plan")?;
+        let ctx = extra_ctx(&a, &plan, gateway.clone()).await?;
+        eprintln!("bench: {scenario}: {}", plan.note);
+        let results = run_policies(&ctx, scenario, policies, &plan.records, a.speed).await?;
+        write_scenario(&a, scenario, &results, plan.fleet.engines, &plan.note)?;
+        all.push((scenario.to_string(), results));
+        notes.push((scenario.to_string(), plan.note));
+        ctx.stop();
     }
     let floor = a.scenarios.iter().any(|s| s == "trace").then(|| {
         floor::fleet_lru_ttft(
@@ -524,11 +579,69 @@ pub async fn main(a: BenchArgs) -> anyhow::Result<()> {
             },
         )
     });
-    write_summary(&a, &all, floor)?;
+    write_summary(&a, &all, floor, &notes)?;
     Ok(())
 }
 
-fn write_scenario(a: &BenchArgs, scenario: &str, results: &[PolicyResult]) -> anyhow::Result<()> {
+/// Runs each of `policies` that `--policies` selects on `recs`, `--repeat` times interleaved;
+/// returns each policy's median run.
+async fn run_policies(
+    ctx: &Ctx,
+    scenario: &str,
+    policies: &[&str],
+    recs: &[trace::TraceRecord],
+    speed: f64,
+) -> anyhow::Result<Vec<PolicyResult>> {
+    let wanted: Vec<&str> = policies
+        .iter()
+        .copied()
+        .filter(|p| ctx.a.policies.iter().any(|x| x == p))
+        .collect();
+    // Runs interleave (A, B, A, B, ...), so a slow phase of the machine hits every policy.
+    let mut runs: Vec<Vec<PolicyResult>> = vec![Vec::new(); wanted.len()];
+    for _ in 0..ctx.a.repeat.max(1) {
+        for (name, r) in wanted.iter().zip(runs.iter_mut()) {
+            r.push(ctx.run(scenario, name, recs, speed).await?);
+        }
+    }
+    Ok(runs.into_iter().filter_map(report::median_run).collect())
+}
+
+/// The fleet, collector and client settings of an extra scenario.
+async fn extra_ctx(
+    a: &BenchArgs,
+    plan: &scenarios::Plan,
+    gateway: Result<GatewaySetup, String>,
+) -> anyhow::Result<Ctx> {
+    let mut fleet = fleet::start_fleet_spec(a, &plan.fleet, MODEL, None).await?;
+    let failure = if plan.failure {
+        // Everyone, the collector included, reaches engine 0 through the front that fails.
+        let backend: std::net::SocketAddr = fleet.urls[0]
+            .trim_start_matches("http://")
+            .parse()
+            .context("engine 0 address")?;
+        let front = failure::Front::start(backend).await?;
+        fleet.urls[0] = format!("http://{}", front.addr);
+        Some(Arc::new((fleet.engines[0].clone(), front)))
+    } else {
+        None
+    };
+    let mut ctx = Ctx::new(a, fleet, gateway, None).await?;
+    ctx.rate_scale = plan.rate_scale;
+    ctx.retry_once = plan.retry_once;
+    ctx.failure = failure;
+    Ok(ctx)
+}
+
+/// Writes `<out>/<scenario>/`: per-request JSONL, the table (with the scenario's extra
+/// columns and `note` below it) and the plots.
+fn write_scenario(
+    a: &BenchArgs,
+    scenario: &str,
+    results: &[PolicyResult],
+    engines: usize,
+    note: &str,
+) -> anyhow::Result<()> {
     let dir = a.out.join(scenario);
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     for r in results.iter().filter(|r| r.skipped.is_none()) {
@@ -539,12 +652,16 @@ fn write_scenario(a: &BenchArgs, scenario: &str, results: &[PolicyResult]) -> an
         }
         std::fs::write(dir.join(format!("{}.jsonl", r.policy)), text)?;
     }
-    std::fs::write(dir.join("results.md"), report::table(results))?;
+    let mut md = report::table_with(results, scenarios::columns(scenario));
+    if !note.is_empty() {
+        md.push_str(&format!("\n{note}\n"));
+    }
+    std::fs::write(dir.join("results.md"), md)?;
     if !report::load_font() {
         eprintln!("bench: no TTF font found; plots skipped");
         return Ok(());
     }
-    let title = format!("{scenario}: {} engines, {}x speed-up", a.engines, a.speed);
+    let title = format!("{scenario}: {engines} engines, {}x speed-up", a.speed);
     if let Err(e) = report::plot_ttft_cdf(
         results,
         &dir.join("ttft_cdf.png"),
@@ -552,7 +669,8 @@ fn write_scenario(a: &BenchArgs, scenario: &str, results: &[PolicyResult]) -> an
     ) {
         eprintln!("bench: {scenario} TTFT plot failed: {e}");
     }
-    if scenario == "trace" {
+    // The failure's dip and recovery show over time as the trace's warm-up does.
+    if scenario == "trace" || scenario == "failure" {
         if let Err(e) = report::plot_hit_rate(
             results,
             &dir.join("hit_rate.png"),
@@ -565,16 +683,24 @@ fn write_scenario(a: &BenchArgs, scenario: &str, results: &[PolicyResult]) -> an
     Ok(())
 }
 
-/// `floor`: [`floor::fleet_lru_ttft`] of the trace scenario, when it ran.
+/// `floor`: [`floor::fleet_lru_ttft`] of the trace scenario, when it ran; `notes`: the extra
+/// scenarios' lines under their tables.
 fn write_summary(
     a: &BenchArgs,
     all: &[(String, Vec<PolicyResult>)],
     floor: Option<([f64; 2], f64)>,
+    notes: &[(String, String)],
 ) -> anyhow::Result<()> {
     let targets = report::targets(all, floor.map(|f| f.0));
     let mut md = String::new();
     for (scenario, results) in all {
-        md.push_str(&format!("### {scenario}\n\n{}\n", report::table(results)));
+        md.push_str(&format!(
+            "### {scenario}\n\n{}\n",
+            report::table_with(results, scenarios::columns(scenario))
+        ));
+        if let Some((_, n)) = notes.iter().find(|(s, _)| s == scenario) {
+            md.push_str(&format!("{n}\n\n"));
+        }
     }
     md.push_str(&format!(
         "### targets\n\n{}",
@@ -603,10 +729,53 @@ fn write_summary(
             "ttft_p50_s": p50, "ttft_p90_s": p90, "hit_rate": hit_rate,
         })),
         "targets": targets,
+        "extra": {
+            "slow_engine_speed": a.slow_engine_speed, "decode_ratio": a.decode_ratio,
+            "scale_engines": a.scale_engines, "scale_utilization": a.scale_utilization,
+            "notes": notes.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
+        },
     });
     std::fs::write(
         a.out.join("results.json"),
         serde_json::to_string_pretty(&json)?,
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The policies [`Ctx::prepare`] runs in process or as peers.
+    const OTHERS: [&str; 7] = [
+        "round-robin",
+        "least-request",
+        "kvroute-inproc",
+        "longest-prefix",
+        "oracle",
+        "vllm-router",
+        "sglang-router",
+    ];
+
+    #[test]
+    fn every_scenarios_policy_is_listed_and_has_a_way_to_run() {
+        for (scenario, policies) in SCENARIOS.iter().chain(&EXTRA_SCENARIOS) {
+            for p in *policies {
+                assert!(POLICIES.contains(p), "{scenario}/{p} not in POLICIES");
+                assert!(
+                    shipped_gateways(p).is_some() || OTHERS.contains(p),
+                    "{scenario}/{p} cannot run"
+                );
+            }
+        }
+        assert_eq!(shipped_gateways("kvroute-2gw-95-5"), Some(2));
+        assert_eq!(shipped_gateways("kvroute"), Some(1));
+        // The split policies are two gateways with weights; the alternating ones none.
+        assert!(split::weights("kvroute-2gw-80-20").is_some());
+        assert!(split::weights("kvroute-2gw").is_none());
+        // The default list is the four fitted scenarios; the extra ones are named apart.
+        assert!(SCENARIOS
+            .iter()
+            .all(|(s, _)| !EXTRA_SCENARIOS.iter().any(|(e, _)| e == s)));
+    }
 }

@@ -395,15 +395,72 @@ fn ms(s: f64) -> String {
     }
 }
 
+/// A column some scenarios add to the results table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Column {
+    /// Each engine's requests, engine by engine (`a / b / c / d`).
+    EngineRequests,
+    /// Requests the client sent a second time after a failure, and how many of those then
+    /// succeeded on an engine other than the one named (the one that failed).
+    Retried(&'static str),
+    /// One of the filter's request outcomes (`kvroute.requests.<name>`), summed over the
+    /// gateways; empty for policies without a gateway.
+    Outcome(&'static str),
+}
+
+impl Column {
+    fn header(self) -> String {
+        match self {
+            Column::EngineRequests => "requests per engine".into(),
+            Column::Retried(e) => format!("retried (then ok off {e})"),
+            Column::Outcome(o) => format!("filter: {o}"),
+        }
+    }
+
+    fn cell(self, r: &PolicyResult) -> String {
+        match self {
+            Column::EngineRequests => r
+                .engines
+                .requests
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(" / "),
+            Column::Retried(engine) => {
+                let retried = r.results.iter().filter(|x| x.retried);
+                let (n, elsewhere) = retried.fold((0, 0), |(n, e), x| {
+                    let off = x.ok() && x.engine.as_deref() != Some(engine);
+                    (n + 1, e + usize::from(off))
+                });
+                format!("{n} ({elsewhere})")
+            }
+            Column::Outcome(o) => r
+                .gateway_stats
+                .get(&format!("kvroute.requests.{o}"))
+                .map_or_else(String::new, u64::to_string),
+        }
+    }
+}
+
 /// The results table, markdown.
 pub fn table(results: &[PolicyResult]) -> String {
+    table_with(results, &[])
+}
+
+/// The results table with `extra` columns after the common ones, markdown.
+pub fn table_with(results: &[PolicyResult], extra: &[Column]) -> String {
     let mut t = String::new();
-    t.push_str("| policy | prefix hit rate | TTFT p50 | TTFT p90 | TTFT p99 | client TTFT p90 | throughput (req/s) | tokens/s | max/mean requests | max/mean prefill | prefill util. | failed |\n");
-    t.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    t.push_str("| policy | prefix hit rate | TTFT p50 | TTFT p90 | TTFT p99 | client TTFT p90 | throughput (req/s) | tokens/s | max/mean requests | max/mean prefill | prefill util. | failed |");
+    for c in extra {
+        let _ = write!(t, " {} |", c.header());
+    }
+    t.push_str("\n|---|---|---|---|---|---|---|---|---|---|---|---|");
+    t.push_str(&"---|".repeat(extra.len()));
+    t.push('\n');
     for r in results {
         match (&r.summary, &r.skipped) {
             (Some(s), None) => {
-                let _ = writeln!(
+                let _ = write!(
                     t,
                     "| {} | {:.1} % | {} | {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.2} | {:.0} % | {} |",
                     r.policy,
@@ -419,13 +476,18 @@ pub fn table(results: &[PolicyResult]) -> String {
                     r.prefill_utilization * 100.0,
                     s.failed
                 );
+                for c in extra {
+                    let _ = write!(t, " {} |", c.cell(r));
+                }
+                t.push('\n');
             }
             (_, Some(why)) => {
                 let _ = writeln!(
                     t,
-                    "| {} | skipped: {} | | | | | | | | | | |",
+                    "| {} | skipped: {} | | | | | | | | | | |{}",
                     r.policy,
-                    why.replace('|', "/")
+                    why.replace('|', "/"),
+                    " |".repeat(extra.len())
                 );
             }
             _ => {}
@@ -679,6 +741,57 @@ mod tests {
             .iter()
             .filter(|c| c.scenario == "trace")
             .all(|c| c.met.is_none()));
+    }
+
+    #[test]
+    fn extra_columns_show_engine_requests_retries_and_filter_outcomes() {
+        let req = |engine: &str, ok: bool, retried: bool| RequestResult {
+            engine: Some(engine.into()),
+            status: if ok { 200 } else { 0 },
+            retried,
+            ..RequestResult::default()
+        };
+        let mut r = ran("kvroute", 0, 1.0);
+        r.engines.requests = vec![5, 3, 0];
+        r.results = vec![
+            req("engine-1", true, true),
+            req("engine-0", true, true), // back on the engine that failed
+            req("engine-2", false, true),
+            req("engine-2", true, false),
+        ];
+        r.gateway_stats
+            .insert("kvroute.requests.routed_cold".into(), 7);
+        let cols = [
+            Column::EngineRequests,
+            Column::Retried("engine-0"),
+            Column::Outcome("routed_cold"),
+            Column::Outcome("no_match"),
+        ];
+        let t = table_with(
+            &[r, PolicyResult::skipped("vllm-router", "down".into())],
+            &cols,
+        );
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].ends_with(
+            "| failed | requests per engine | retried (then ok off engine-0) | filter: routed_cold | filter: no_match |"
+        ));
+        let cells = |l: &str| l.matches('|').count();
+        assert_eq!(cells(lines[1]), cells(lines[0]));
+        // Three retried: one ok on another engine (engine-1); one back on the engine that
+        // failed, one failed again. No `no_match` counter: an empty cell.
+        assert!(
+            lines[2].ends_with("| 5 / 3 / 0 | 3 (1) | 7 |  |"),
+            "{}",
+            lines[2]
+        );
+        assert_eq!(
+            cells(lines[3]),
+            cells(lines[0]),
+            "skipped rows keep the columns"
+        );
+        // Without extra columns the table is the common one.
+        assert_eq!(table(&[]), table_with(&[], &[]));
+        assert!(!table(&[]).contains("retried"));
     }
 
     #[test]
