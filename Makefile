@@ -54,10 +54,17 @@ layout:
 ## JavaScript package's Node tests and the fleet page in headless Chromium.
 test: lint wasm
 	$(CARGO) build -j$(JOBS) -p kvroute --target wasm32-wasip1
+	$(MAKE) check-rules
 	$(MAKE) test-rust
 	$(MAKE) test-e2e
 	$(MAKE) test-js
 	$(MAKE) test-ui
+
+## The Prometheus alerting rules of the collector's alarms, checked by promtool.
+check-rules:
+	bash tools/install-promtool.sh
+	promtool check rules dashboards/alerts.yaml
+.PHONY: check-rules
 
 test-rust:
 	$(CARGO) test -j$(JOBS) --workspace
