@@ -472,19 +472,26 @@ async fn health(State(state): State<AppState>) -> Response {
     let epoch = hub.feed.epoch();
     drop(hub);
     // Degraded still answers 200: the collector serves; the reasons say what is wrong.
-    let problems = state.problems();
+    let mut problems = state.problems();
+    let alarms = crate::alarm::evaluate(&state);
+    problems.extend(alarms.iter().map(|a| a.reason.clone()));
     let status = if problems.is_empty() {
         "ok"
     } else {
         "degraded"
     };
-    Json(serde_json::json!({ "status": status, "reasons": problems, "workers": workers, "connected": connected, "epoch": epoch })).into_response()
+    let alarms: Vec<_> = alarms
+        .iter()
+        .map(|a| serde_json::json!({ "alarm": a.kind.as_str(), "subject": a.subject, "reason": a.reason }))
+        .collect();
+    Json(serde_json::json!({ "status": status, "reasons": problems, "alarms": alarms, "workers": workers, "connected": connected, "epoch": epoch })).into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
     state.read().update_gauges(&state.metrics);
     // Also refreshes the ingest lag gauge.
     state.problems();
+    crate::alarm::evaluate(&state);
     let gateways = state.fleet().gateways(Instant::now());
     state.metrics.fleet_gateways.set(gateways as i64);
     let body = state.metrics.encode();

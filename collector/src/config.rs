@@ -141,6 +141,9 @@ pub struct Cli {
     /// An engine whose /metrics answered once and has failed for this long is taken as down and no longer routed to, until it answers again, seconds [default: 5].
     #[arg(long, value_name = "SECS")]
     pub engine_down_secs: Option<f64>,
+    /// Alarm `engine_silent` when an engine serving traffic sent no KV event for this long, seconds [default: 300].
+    #[arg(long, value_name = "SECS")]
+    pub alarm_silent_secs: Option<f64>,
     /// Largest engine /metrics page read; reading stops there [default: 1048576].
     #[arg(long, value_name = "BYTES")]
     pub max_metrics_bytes: Option<usize>,
@@ -198,6 +201,7 @@ pub struct FileConfig {
     pub scrape_timeout_secs: Option<f64>,
     pub engine_stale_secs: Option<f64>,
     pub engine_down_secs: Option<f64>,
+    pub alarm_silent_secs: Option<f64>,
     pub max_metrics_bytes: Option<usize>,
     #[serde(default, alias = "tokenizers")]
     pub tokenizer: Vec<String>,
@@ -260,6 +264,8 @@ pub struct Config {
     pub engine_stale: Duration,
     /// Failing `/metrics` after answering: down past this.
     pub engine_down: Duration,
+    /// Alarm `engine_silent` after an engine served traffic this long without a KV event.
+    pub alarm_silent: Duration,
     pub max_metrics_bytes: usize,
     /// Tokenizers for text requests, one per model.
     pub tokenizers: Vec<TokenizerSpec>,
@@ -302,6 +308,7 @@ impl Default for Config {
             scrape_timeout: Duration::from_millis(250),
             engine_stale: Duration::from_secs(2),
             engine_down: Duration::from_secs(5),
+            alarm_silent: Duration::from_secs(300),
             max_metrics_bytes: 1 << 20,
             tokenizers: Vec::new(),
             text_limits: kvroute_text::Limits::default(),
@@ -589,6 +596,11 @@ impl Cli {
                 "engine-down-secs",
                 self.engine_down_secs.or(file.engine_down_secs),
                 d.engine_down,
+            )?,
+            alarm_silent: secs(
+                "alarm-silent-secs",
+                self.alarm_silent_secs.or(file.alarm_silent_secs),
+                d.alarm_silent,
             )?,
             max_metrics_bytes: positive(
                 "max-metrics-bytes",

@@ -27,6 +27,7 @@
 //! It must not hold the hub's lock across an `.await`, and must not let one engine's bad
 //! input cost more than that input.
 
+pub mod alarm;
 pub mod api;
 pub mod chunk;
 pub mod config;

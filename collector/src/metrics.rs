@@ -58,6 +58,13 @@ pub struct FeedLabels {
     pub kind: &'static str,
 }
 
+/// A raised alarm: which (`engine_silent`, ...) and what about (`instance/dp`, ...).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AlarmLabels {
+    pub alarm: &'static str,
+    pub subject: String,
+}
+
 /// `/tokenize` and text `/query` requests: which endpoint, which input (`prompt`, `messages`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TextLabels {
@@ -143,6 +150,10 @@ pub struct Metrics {
     pub load_refused: Family<ReasonLabels, Counter>,
     /// Gateways whose load report is live.
     pub fleet_gateways: Gauge,
+    /// 1 for each raised alarm (see `alarm`); a cleared alarm's series is removed.
+    pub alarm: Family<AlarmLabels, Gauge>,
+    /// Alarms raised at the last evaluation.
+    pub alarms_raised: Gauge,
     /// Gateways dropped for not reporting within the timeout.
     pub gateways_expired: Counter,
     /// Engine `/metrics` scrapes that gave a sample.
@@ -225,6 +236,8 @@ impl Metrics {
             load_reports: Counter::default(),
             load_refused: Family::default(),
             fleet_gateways: Gauge::default(),
+            alarm: Family::default(),
+            alarms_raised: Gauge::default(),
             gateways_expired: Counter::default(),
             engine_scrapes: Counter::default(),
             engine_scrape_failures: Family::default(),
@@ -385,6 +398,16 @@ impl Metrics {
             "fleet_gateways",
             "Gateways whose load report is live",
             m.fleet_gateways.clone(),
+        );
+        registry.register(
+            "alarm",
+            "1 while an alarm is raised, by alarm and subject (cleared ones are removed)",
+            m.alarm.clone(),
+        );
+        registry.register(
+            "alarms_raised",
+            "Alarms raised at the last evaluation (/health or /metrics)",
+            m.alarms_raised.clone(),
         );
         registry.register(
             "fleet_gateways_expired",

@@ -40,6 +40,8 @@ pub struct Shared {
     /// Set when an unreadable state file could not be moved aside: snapshots would overwrite
     /// it, so none is written.
     save_blocked: AtomicBool,
+    /// What the alarms saw at their last evaluation.
+    pub alarms: crate::alarm::Alarms,
 }
 
 /// The axum state.
@@ -67,6 +69,7 @@ impl Shared {
             ingesting: Mutex::new(HashMap::new()),
             state_problem: Mutex::new(None),
             save_blocked: AtomicBool::new(false),
+            alarms: crate::alarm::Alarms::default(),
         })
     }
 

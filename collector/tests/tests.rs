@@ -16,5 +16,7 @@ mod hostile;
 mod fleet_common;
 mod fleet_load;
 mod fleet_scrape;
+// The alarms (engine_silent, ...) raised by real conditions, and none for a healthy fleet.
+mod alarm;
 // Text requests: /tokenize and /query with prompt or messages, on the real Qwen3 tokenizer.
 mod text;

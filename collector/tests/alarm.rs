@@ -1,0 +1,81 @@
+//! The alarms against the real collector over HTTP: each raised by a real condition, and a
+//! healthy fleet raising none. `/health` stays HTTP 200 when degraded.
+
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+use crate::fleet_common::{counter, Collector};
+
+async fn health(c: &Collector) -> (StatusCode, Value) {
+    let r = c
+        .http
+        .get(format!("{}/health", c.url))
+        .send()
+        .await
+        .unwrap();
+    (r.status(), r.json().await.unwrap())
+}
+
+/// One worker, registered at an endpoint no engine publishes on: it never sends an event.
+async fn silent_worker(args: &[&str]) -> (Collector, u32, u64) {
+    let mut all = vec!["--scrape-interval-secs", "0"];
+    all.extend_from_slice(args);
+    let c = Collector::start(&all).await;
+    let w = c.register("10.0.0.1:8000", 0, "10.0.0.1:8000").await;
+    let epoch = c.epoch().await;
+    (c, w, epoch)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_serving_traffic_without_events_raises_engine_silent() {
+    // A window of 0 s: the first evaluation that sees traffic and no event raises it.
+    let (c, w, epoch) = silent_worker(&["--alarm-silent-secs", "0"]).await;
+    let (s, _) = c
+        .post_load(json!({"gateway": "gw-1", "epoch": epoch,
+            "workers": [{"worker": w, "requests": 3}]}))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, h) = health(&c).await;
+    assert_eq!(s, StatusCode::OK, "degraded still answers 200");
+    assert_eq!(h["status"], "degraded", "{h}");
+    assert_eq!(h["alarms"][0]["alarm"], "engine_silent", "{h}");
+    assert_eq!(h["alarms"][0]["subject"], "10.0.0.1:8000/0");
+    let reason = h["reasons"][0].as_str().unwrap();
+    assert!(reason.contains("--kv-events-config"), "{reason}");
+    let m = c.metrics().await;
+    assert_eq!(
+        counter(
+            &m,
+            "kvroute_alarm{alarm=\"engine_silent\",subject=\"10.0.0.1:8000/0\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(counter(&m, "kvroute_alarms_raised"), 1.0);
+    // The traffic stops: the alarm clears and its series goes.
+    c.post_load(json!({"gateway": "gw-1", "epoch": epoch,
+        "workers": [{"worker": w, "requests": 0}]}))
+        .await;
+    let (_, h) = health(&c).await;
+    assert_eq!(h["status"], "ok", "{h}");
+    let m = c.metrics().await;
+    assert!(!m.contains("kvroute_alarm{"), "{m}");
+    assert_eq!(counter(&m, "kvroute_alarms_raised"), 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthy_fleet_raises_no_alarm() {
+    // The default window (300 s): traffic for an engine without events is not yet an alarm,
+    // and an idle one never is.
+    let (c, w, epoch) = silent_worker(&[]).await;
+    let (_, h) = health(&c).await;
+    assert_eq!(h["status"], "ok", "{h}");
+    assert_eq!(h["alarms"], json!([]));
+    c.post_load(json!({"gateway": "gw-1", "epoch": epoch,
+        "workers": [{"worker": w, "requests": 3}]}))
+        .await;
+    let (_, h) = health(&c).await;
+    assert_eq!(h["status"], "ok", "{h}");
+    let m = c.metrics().await;
+    assert_eq!(counter(&m, "kvroute_alarms_raised"), 0.0, "{m}");
+}
