@@ -177,12 +177,18 @@ pub fn plan(scenario: &str, a: &BenchArgs, full: &[TraceRecord]) -> Option<Plan>
 /// group's system prompt where it is cached stays below capacity to the end, one that does
 /// not saturates in the last stages.
 pub fn shared_prefix_shape(a: &BenchArgs) -> SharedPrefixShape {
-    let (system_tokens, question_tokens) = (6144, 1536);
+    let (system_tokens, question_tokens, users_per_group) = (6144, 1536, 5);
     let capacity = a.prefill_tokens_per_s * a.engines as f64;
     let full = capacity / (system_tokens + question_tokens) as f64;
+    // llm-d's ~73 % KV fill of the fleet: each group's system prompt and its users' questions
+    // count once, so a router that scatters a group caches its prompt several times over and
+    // evicts, and the groups' prompts outgrow any one engine's cache.
+    let fleet_kv_tokens = (a.engines * a.capacity_blocks * a.block_size) as f64;
+    let group_tokens = (system_tokens + users_per_group * question_tokens) as f64;
+    let groups = ((0.73 * fleet_kv_tokens / group_tokens).round() as usize).max(1);
     SharedPrefixShape {
-        groups: 32,
-        users_per_group: 5,
+        groups,
+        users_per_group,
         system_tokens,
         question_tokens,
         output_tokens: 1000,
@@ -235,6 +241,26 @@ mod tests {
             let p = plan(s, &a, &trace()).unwrap();
             assert!(p.fleet.rates(&a).iter().all(|r| r.0 == 20_000.0), "{s}");
         }
+    }
+
+    #[test]
+    fn the_shared_prefix_groups_outgrow_one_engine_and_fill_73_percent_of_the_fleet() {
+        let a = args(&[]);
+        let s = shared_prefix_shape(&a);
+        let engine = (a.capacity_blocks * a.block_size) as f64;
+        let group = (s.system_tokens + s.users_per_group * s.question_tokens) as f64;
+        let fill = s.groups as f64 * group / (engine * a.engines as f64);
+        assert!((fill - 0.73).abs() < 0.01, "{fill}");
+        // The system prompts alone do not fit one engine; with the questions, not two.
+        assert!(
+            s.groups as f64 * s.system_tokens as f64 > engine,
+            "{}",
+            s.groups
+        );
+        assert!(s.groups as f64 * group > 2.0 * engine, "{}", s.groups);
+        // A fleet of twice the cache gets twice the groups.
+        let big = shared_prefix_shape(&args(&["--capacity-blocks", "50000"]));
+        assert!(big.groups.abs_diff(2 * s.groups) <= 1);
     }
 
     #[test]
