@@ -15,6 +15,7 @@ use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use kvroute::api::ErrorBody;
 
@@ -23,6 +24,44 @@ pub const MAX_URI_BYTES: usize = 8 << 10;
 
 /// Most bytes of header names and values in one request.
 pub const MAX_HEADER_BYTES: usize = 16 << 10;
+
+/// Longest a request body may go without a byte arriving. A client that trickles one byte and
+/// stops would otherwise hold its connection slot for the whole body deadline; with 512 slots,
+/// 512 such clients starve everyone else (issue 23).
+pub const BODY_STALL_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Why a body read ended early.
+enum BodyError {
+    TooLarge,
+    Read(Box<dyn std::error::Error + Send + Sync>),
+    Stalled,
+    Deadline,
+}
+
+/// Reads the body frame by frame: each frame within [`BODY_STALL_TIMEOUT`], the whole within
+/// the body deadline, at most `max_body_bytes`.
+async fn read_body(body: Body, limits: RequestLimits) -> Result<Bytes, BodyError> {
+    let start = tokio::time::Instant::now();
+    let mut body = Limited::new(body, limits.max_body_bytes);
+    let mut buf = BytesMut::new();
+    loop {
+        let left = limits.body_read_timeout.saturating_sub(start.elapsed());
+        let wait = left.min(BODY_STALL_TIMEOUT);
+        let frame = match tokio::time::timeout(wait, body.frame()).await {
+            Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(e))) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                return Err(BodyError::TooLarge);
+            }
+            Ok(Some(Err(e))) => return Err(BodyError::Read(e)),
+            Ok(None) => return Ok(buf.freeze()),
+            Err(_) if wait < BODY_STALL_TIMEOUT => return Err(BodyError::Deadline),
+            Err(_) => return Err(BodyError::Stalled),
+        };
+        if let Ok(data) = frame.into_data() {
+            buf.extend_from_slice(&data);
+        }
+    }
+}
 
 /// The limits [`read_request`] and [`deadline`] apply.
 #[derive(Clone, Copy, Debug)]
@@ -75,19 +114,24 @@ pub async fn read_request(
         return error(StatusCode::PAYLOAD_TOO_LARGE, "request body is too large");
     }
     let (parts, body) = req.into_parts();
-    let read = Limited::new(body, limits.max_body_bytes).collect();
-    let bytes = match tokio::time::timeout(limits.body_read_timeout, read).await {
-        Ok(Ok(collected)) => collected.to_bytes(),
-        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
+    let bytes = match read_body(body, limits).await {
+        Ok(bytes) => bytes,
+        Err(BodyError::TooLarge) => {
             return error(StatusCode::PAYLOAD_TOO_LARGE, "request body is too large");
         }
-        Ok(Err(e)) => {
+        Err(BodyError::Read(e)) => {
             return error(
                 StatusCode::BAD_REQUEST,
                 format!("cannot read the request body: {e}"),
             );
         }
-        Err(_) => {
+        Err(BodyError::Stalled) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("request body stalled for {BODY_STALL_TIMEOUT:?}"),
+            );
+        }
+        Err(BodyError::Deadline) => {
             return error(
                 StatusCode::REQUEST_TIMEOUT,
                 format!(
