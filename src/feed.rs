@@ -59,7 +59,7 @@ pub const LOAD_EXCLUDES_HEADER: &str = "x-kvroute-load-excludes";
 
 /// Response header of `/v1/feed?gateway=ID`: `index/count`, the reading gateway's place among
 /// the live gateway replicas (ids in byte order, the reader counted even before its first
-/// report). Replicas use it to prefer disjoint shares of the engines ([`crate::route`]).
+/// report). Replicas use it to prefer disjoint shares of the engines ([`crate::router`]).
 pub const REPLICA_HEADER: &str = "x-kvroute-replica";
 
 /// The first four bytes of every page.

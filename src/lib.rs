@@ -13,17 +13,17 @@
 //!    resync switched in whole by generation.
 //! 6. filter, per request: [`mirror::PrefixView`] (hashes the prompt lazily through
 //!    [`hash::SeqHashes`] and [`scope::ScopeId::key`]) → [`lookup::longest_matches`]
-//!    over the shared-data buckets → [`route::Roster::contenders`] (dp ranks folded, model
-//!    eligibility, in-flight load from [`mirror::load_get`]) → [`route::decide`] → the
+//!    over the shared-data buckets → [`router::Roster::contenders`] (dp ranks folded, model
+//!    eligibility, in-flight load from [`mirror::load_get`]) → [`router::decide`] → the
 //!    destination header, and [`mirror::load_update`] books the load until the request ends.
 //!    Remote mode asks the collector instead and feeds its answer to
-//!    [`route::remote_contenders`] → the same [`route::decide`].
+//!    [`router::remote_contenders`] → the same [`router::decide`].
 //! 7. filter, a text request (no token ids; a `prompt` string or chat `messages` found by
 //!    [`intake::scan_json`]): the collector tokenizes it (`/query` with the text, answered
 //!    like a token query → the same decision); without a tokenizer or an answer,
 //!    [`approx`] cuts the canonical text into character blocks, chain-hashes them, and the
 //!    engines recorded for the longest prefix ([`approx::TextTable::lookup`]) feed
-//!    [`route::Roster::contenders`] → the same [`route::decide`].
+//!    [`router::Roster::contenders`] → the same [`router::decide`].
 
 #![warn(missing_docs)]
 
@@ -37,6 +37,6 @@ pub mod index;
 pub mod intake;
 pub mod lookup;
 pub mod mirror;
-pub mod route;
+pub mod router;
 pub mod scope;
 pub mod select;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use kvroute::intake::FieldKind;
 use kvroute::mirror::Limits;
-use kvroute::route::{Cold, Policy};
+use kvroute::router::{Cold, Policy};
 use kvroute::select::Weights;
 use serde::Deserialize;
 

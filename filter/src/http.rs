@@ -9,13 +9,13 @@ use std::rc::Rc;
 use kvroute::hash;
 use kvroute::intake::{self, Found, IntakeError};
 use kvroute::lookup::{longest_matches, WalkStats};
-use kvroute::mirror::{self, depth_keys, BucketView, LoadId, PrefixView};
-use kvroute::route;
+use kvroute::mirror::{self, depth_keys, BucketView, PrefixView};
+use kvroute::router::{self, Booked, Field, Picture, Verdict};
 use kvroute::scope::ScopeId;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
-use crate::books::{self, Booked, Picture};
+use crate::books;
 use crate::config::{millis, Config, Mode, Source, Sources, DECODE_FIELDS};
 use crate::host::{self, HostStore};
 use crate::outcome::Outcome;
@@ -442,66 +442,54 @@ impl Http {
         } else {
             None
         };
-        let picture = Picture::read(vm, cfg, now);
-        let contenders =
-            cache
-                .roster
-                .contenders(&matches, tenant, model, |id| picture.load(id), &cfg.weights);
-        let query = route::Query {
+        let picture = books::picture(vm, cfg, now);
+        let query = router::Query {
             blocks: query_blocks as u32,
             block_size,
         };
-        let decision = match vm.rng.try_borrow_mut() {
-            Ok(mut rng) => route::decide(&contenders, query, &picture.policy(cfg), &mut *rng),
-            Err(_) => None,
+        let field = Field::Roster {
+            roster: &cache.roster,
+            matches: &matches,
+            tenant,
+            model,
         };
-        let Some((d, to)) = decision.and_then(|d| Target::of(&cache.roster, &d).map(|t| (d, t)))
-        else {
-            let reads = view.reads();
-            *seqs = view.into_seqs();
-            self.reads = reads + 2;
-            host::record_metric(vm.metrics.lookup_reads, reads as u64);
-            self.finish(vm, undecided(&contenders));
-            return Action::Continue;
+        let verdict = match vm.rng.try_borrow_mut() {
+            Ok(mut rng) => router::route(field, query, &picture, &cfg.policy, &mut *rng).verdict,
+            Err(_) => Verdict::NoMatch,
         };
         drop(cache);
-        self.engine_idle = d.queued_prefill_tokens == 0;
-        let slot = to.slot;
-        if spec {
-            books::remember(vm, cfg, &view, spec_read, query_blocks as u32, slot, now);
+        if let (true, Verdict::Route { target, .. }) = (spec, &verdict) {
+            if let Some(slot) = target.slot() {
+                books::remember(vm, cfg, &view, spec_read, query_blocks as u32, slot, now);
+            }
         }
         let reads = view.reads();
         *seqs = view.into_seqs();
         self.reads = reads + 2;
         host::record_metric(vm.metrics.lookup_reads, reads as u64);
-        self.route(
-            vm,
-            cfg,
-            picture,
-            &to.address,
-            to.runner.as_deref(),
-            to.dp_rank,
-            LoadId::slot(slot),
-            d.matched_blocks,
-            block_size,
-        );
+        self.conclude(vm, cfg, picture, verdict, block_size);
         Action::Continue
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn route(
+    /// Acts on the decision: the headers and the books of a routed request, else the
+    /// outcome that says why not.
+    fn conclude(
         &mut self,
         vm: &VmRef,
         cfg: &Config,
         picture: Picture,
-        best: &str,
-        runner: Option<&str>,
-        dp_rank: Option<u32>,
-        load_id: LoadId,
-        matched_blocks: u32,
+        verdict: Verdict,
         block_size: u32,
     ) {
-        let value = match runner.filter(|r| *r != best && !r.is_empty()) {
+        let (decision, target) = match verdict {
+            Verdict::Route { decision, target } => (decision, target),
+            Verdict::Deferred => return self.finish(vm, Outcome::Deferred),
+            Verdict::NoMatch => return self.finish(vm, Outcome::NoMatch),
+        };
+        self.engine_idle = decision.queued_prefill_tokens == 0;
+        let matched_blocks = decision.matched_blocks;
+        let best = target.address.as_str();
+        let value = match &target.runner_up {
             Some(r) => format!("{best},{r}"),
             None => best.to_owned(),
         };
@@ -510,7 +498,7 @@ impl Http {
             &cfg.destination_header,
             value.as_bytes(),
         );
-        if let Some(rank) = dp_rank {
+        if let Some(rank) = target.dp_rank {
             host::set_header(
                 MapType::HttpRequestHeaders,
                 &cfg.dp_rank_header,
@@ -527,7 +515,15 @@ impl Http {
             .decode_budget
             .unwrap_or(cfg.default_decode_tokens.into())
             .min(u32::MAX.into()) as u32;
-        self.routed = books::book(vm, cfg, picture, load_id, prefill, decode, self.engine_idle);
+        self.routed = books::book(
+            vm,
+            cfg,
+            picture,
+            target.load_id,
+            prefill,
+            decode,
+            self.engine_idle,
+        );
         if self.query_tokens > 0 {
             host::record_metric(
                 vm.metrics.matched_ratio_pct,
@@ -751,42 +747,5 @@ impl Http {
         };
         scratch.found = found;
         action
-    }
-}
-
-/// Where a decision sends a request, read off the roster while its borrow is held.
-struct Target {
-    /// The chosen instance's address (the destination header's first entry).
-    address: String,
-    /// The runner-up's address, Envoy's fallback.
-    runner: Option<String>,
-    /// The rank header's value, for an instance with several dp ranks.
-    dp_rank: Option<u32>,
-    /// The worker slot the load is booked on.
-    slot: u32,
-}
-
-impl Target {
-    fn of(roster: &route::Roster, d: &route::Decision) -> Option<Target> {
-        let best = roster.instances.get(d.best)?;
-        Some(Target {
-            address: best.address.clone(),
-            runner: d
-                .runner_up
-                .and_then(|r| roster.instances.get(r))
-                .map(|i| i.address.clone()),
-            dp_rank: best.is_multi_rank().then_some(d.dp_rank),
-            slot: best.slot_of_rank(d.dp_rank).unwrap_or(0),
-        })
-    }
-}
-
-/// The outcome of a request no instance was chosen for: deferred to Envoy's own balancing
-/// when some instance could have taken it, else no match.
-fn undecided(contenders: &[route::Contender]) -> Outcome {
-    if contenders.iter().any(|c| c.eligible) {
-        Outcome::Deferred
-    } else {
-        Outcome::NoMatch
     }
 }

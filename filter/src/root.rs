@@ -135,7 +135,7 @@ impl Root {
             kvroute::feed::REPLICA_HEADER,
         )
         .and_then(|v| String::from_utf8(v).ok())
-        .and_then(|v| kvroute::route::Replica::parse(&v))
+        .and_then(|v| kvroute::router::Replica::parse(&v))
         .unwrap_or_default();
         crate::report::take_fleet(vm, &page, now, self.totals_exclude_own, replica);
         match mirror::apply_page(&HostStore, &vm.keys, &cfg.limits, &page, now) {

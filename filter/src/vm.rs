@@ -4,7 +4,7 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use kvroute::mirror::{Depth, Keys, Meta, Store, SyncState};
-use kvroute::route::Roster;
+use kvroute::router::Roster;
 use kvroute::select::SplitMix64;
 use proxy_wasm::types::MetricType;
 

@@ -7,7 +7,7 @@
 //!   out) under the LoRA / cache-salt seed of `kvroute::hash`;
 //! - [`intake`]: token ids from a header value or a JSON body, with the filter's limits, by
 //!   `kvroute::intake`;
-//! - [`route`]: the routing decision of `kvroute::route::decide` over instances the caller
+//! - [`route`]: the routing decision of `kvroute::router::decide` over instances the caller
 //!   describes as a plain object.
 //!
 //! Bad input throws a JS `Error` with a message; nothing here panics on caller data.

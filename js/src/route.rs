@@ -1,4 +1,4 @@
-//! The routing decision (`kvroute::route::decide`): over instances the caller describes
+//! The routing decision (`kvroute::router::decide`): over instances the caller describes
 //! ([`route_js`]), or over the collector's `/query` answer as the filter's remote mode reads
 //! it ([`route_query_response`]). A plain object (or its JSON text) in, the chosen instance
 //! and the runner-up out.
@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use kvroute::api::QueryResponse;
 use kvroute::mirror::LoadId;
-use kvroute::route::{self as core, Cold, Contender, EngineLoad, InstanceLoad, Policy, Query};
+use kvroute::router::{self as core, Cold, Contender, EngineLoad, InstanceLoad, Policy, Query};
 use kvroute::select::{SplitMix64, Weights};
 use serde::{Deserialize, Serialize};
 use wasm_bindgen::prelude::*;
@@ -143,7 +143,7 @@ pub struct EngineSpec {
     pub kv_usage: f32,
 }
 
-/// The policy knobs of `kvroute::route::Policy`; absent ones keep the filter's defaults.
+/// The policy knobs of `kvroute::router::Policy`; absent ones keep the filter's defaults.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct PolicySpec {

@@ -7,20 +7,10 @@
 
 use crate::codec::{le_u16, le_u64};
 use crate::feed::{EngineSample, Op};
+use crate::router::load::{Counts, Replica};
 
 use super::keys::{Keys, LAYOUT_VERSION};
 use super::store::{update_value, Store, StoreError};
-
-/// Load counts of one worker: what a gateway books, reports and reads back from the fleet.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Counts {
-    /// Requests in flight.
-    pub requests: u64,
-    /// Uncached prefill tokens not yet prefilled.
-    pub prefill_tokens: u64,
-    /// Decode tokens still to generate.
-    pub decode_tokens: u64,
-}
 
 /// One worker slot's fleet picture.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -45,39 +35,6 @@ pub struct Fleet {
     pub replica: Replica,
     /// By worker slot.
     pub workers: Vec<FleetWorker>,
-}
-
-/// One gateway replica among the live ones, as the collector numbers them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Replica {
-    /// This replica's index, `0..count`.
-    pub index: u32,
-    /// Live replicas (1: this one alone).
-    pub count: u32,
-}
-
-impl Default for Replica {
-    fn default() -> Self {
-        Replica { index: 0, count: 1 }
-    }
-}
-
-impl Replica {
-    /// Replica `index` of `count`; `None` unless `index < count`.
-    pub fn new(index: u32, count: u32) -> Option<Replica> {
-        (index < count).then_some(Replica { index, count })
-    }
-
-    /// Parses `"index/count"` (the feed's replica header).
-    pub fn parse(s: &str) -> Option<Replica> {
-        let (i, n) = s.trim().split_once('/')?;
-        Replica::new(i.parse().ok()?, n.parse().ok()?)
-    }
-
-    /// Whether the `k`-th eligible instance is in this replica's share.
-    pub fn owns(&self, k: usize) -> bool {
-        self.count <= 1 || k % self.count as usize == self.index as usize
-    }
 }
 
 /// Two samples closer than this in time are the same scrape seen on two pages.

@@ -19,6 +19,7 @@
 //! A rate of 0 disables the drain.
 
 use crate::codec::le_u64;
+use crate::router::load::InstanceLoad;
 
 use super::keys::{Keys, LAYOUT_VERSION};
 use super::store::{update_value, Store, StoreError};
@@ -36,6 +37,18 @@ pub struct Load {
     /// Of `prefill_tokens`, the part the engine has not worked through yet by the gateway's
     /// estimate (see the module docs); equal to `prefill_tokens` without a rate.
     pub backlog: u32,
+}
+
+/// A load-table entry as the decision reads it: its prefill backlog is the work queued.
+impl From<Load> for InstanceLoad {
+    fn from(l: Load) -> InstanceLoad {
+        InstanceLoad {
+            requests: l.requests,
+            prefill_tokens: l.backlog.into(),
+            decode_tokens: l.decode_tokens.into(),
+            engine: None,
+        }
+    }
 }
 
 impl Load {

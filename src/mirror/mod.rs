@@ -46,8 +46,9 @@ mod store;
 mod sync;
 mod views;
 
+pub use crate::router::load::{Counts, Replica};
 pub use buckets::{BucketRef, BucketRows};
-pub use fleet::{read_fleet, update_fleet, Counts, Fleet, FleetWorker, Replica};
+pub use fleet::{read_fleet, update_fleet, Fleet, FleetWorker};
 pub use keys::{bucket_of, Keys, Limits, CAS_RETRIES, LAYOUT_VERSION};
 pub use load::{
     drain, learn_rate, load_add, load_clear_stale, load_entries, load_get, load_rate, load_update,

@@ -1,5 +1,5 @@
 //! The in-process routing policies of the bench: round-robin, least-request, kvroute (the
-//! real collector's `/query` answer + the core's `select::pick`), the oracle (the same
+//! real collector's `/query` answer + the shipped decision, [`router::route`]), the oracle (the same
 //! decision on every engine's exact cache contents), longest-prefix-only (the collector's
 //! answer, deepest match wins whatever the queue, as vllm-router's `kv_aware` does), and
 //! [`Alternate`], which spreads requests over gateway replicas (the shipped path).
@@ -8,8 +8,15 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use kvroute::mirror::{self, LoadDelta, LoadId, RateNote};
-use kvroute::select::{self, Candidate, SplitMix64, Weights};
+use kvroute::api::QueryResponse;
+use kvroute::event::WorkerId;
+use kvroute::lookup::WorkerMatch;
+use kvroute::mirror::{self, Keys, LoadDelta, LoadId, MemStore, Meta, WorkerSlot};
+use kvroute::router::{
+    self, rank_by, Booked, Books, Field, Picture, PictureConfig, Policy, Query, RankRule, Roster,
+    Verdict,
+};
+use kvroute::select::{self, Candidate, SplitMix64};
 use serde_json::json;
 
 use kvroute_sim::engine::Engine;
@@ -75,23 +82,6 @@ impl Load {
             },
         );
         (now, before.backlog == 0)
-    }
-
-    fn first_token(&self, d: &Decision) {
-        let sample = d.idle.then(|| {
-            mirror::rate_sample(
-                d.uncached_tokens.min(u32::MAX as usize) as u32,
-                self.now_ms().saturating_sub(d.booked_at_ms),
-            )
-        });
-        self.change(
-            d.slot,
-            LoadDelta {
-                prefill_tokens: -(d.uncached_tokens as i64),
-                rate: sample.flatten().map_or(RateNote::Keep, RateNote::Sample),
-                ..LoadDelta::default()
-            },
-        );
     }
 
     fn done(&self, slot: usize) {
@@ -201,18 +191,75 @@ pub enum MatchSource {
     Oracle { engines: Vec<Engine> },
 }
 
+/// The shipped decision in process: the roster of the bench's engines, the router's books in
+/// a [`MemStore`] (the filter keeps the same table in Envoy's shared data), and
+/// [`router::route`] — the entry the filter calls — over them.
+#[derive(Debug)]
+struct InProc {
+    store: MemStore,
+    keys: Keys,
+    roster: Roster,
+}
+
+/// Picture and books of the in-process router: the filter's defaults.
+const PICTURE: PictureConfig = PictureConfig {
+    fresh_ms: LOAD_TTL_MS,
+    load_ttl_ms: LOAD_TTL_MS,
+    fleet_counts: false,
+};
+
+impl InProc {
+    fn new(slots: &[Slot]) -> InProc {
+        let meta = Meta {
+            workers: slots
+                .iter()
+                .map(|s| {
+                    Some(WorkerSlot {
+                        live: true,
+                        dp_rank: 0,
+                        instance_id: s.instance_id.clone(),
+                        address: s.url.clone(),
+                        tenant: String::new(),
+                        model: String::new(),
+                    })
+                })
+                .collect(),
+            ..Meta::default()
+        };
+        InProc {
+            store: MemStore::new(),
+            keys: Keys::new("bench"),
+            roster: Roster::from_meta(&meta),
+        }
+    }
+
+    fn books(&self) -> Books<'_, MemStore> {
+        Books {
+            store: &self.store,
+            keys: &self.keys,
+            capacity: self.roster.instances.len().max(1) as u32,
+            ttl_ms: LOAD_TTL_MS,
+            prefill_rate: None,
+        }
+    }
+
+    fn picture(&self, now: u64) -> Picture {
+        Picture::read(&self.store, &self.keys, PICTURE, now)
+    }
+}
+
 /// KV-aware routing: per-engine prefix matches (from `source`) and the router's own in-flight
-/// load, decided by the core's `select::pick`. When no engine holds a block of the prompt,
-/// `pick` declines and the request goes to the engine with the least queued prefill work (the
-/// same cost with no credit), as a least-loaded fallback balancer would.
+/// load. [`Choice::Cost`] is the shipped policy through [`router::route`] (cold requests,
+/// saturation, the hot-spot guard and all); [`Choice::LongestPrefix`] the deepest match.
 #[derive(Debug)]
 pub struct KvAware {
     slots: Vec<Slot>,
     source: MatchSource,
     block_size: u32,
-    weights: Weights,
+    policy: Policy,
     choice: Choice,
-    load: Load,
+    inproc: Mutex<InProc>,
+    start: Instant,
     rng: Mutex<SplitMix64>,
     /// Query failures (the request then falls back).
     pub query_errors: AtomicU64,
@@ -220,14 +267,14 @@ pub struct KvAware {
 
 impl KvAware {
     pub fn new(slots: Vec<Slot>, source: MatchSource, block_size: u32, seed: u64) -> KvAware {
-        let n = slots.len();
         KvAware {
+            inproc: Mutex::new(InProc::new(&slots)),
             slots,
             source,
             block_size,
-            weights: Weights::default(),
+            policy: Policy::default(),
             choice: Choice::Cost,
-            load: Load::new(n),
+            start: Instant::now(),
             rng: Mutex::new(SplitMix64(seed)),
             query_errors: AtomicU64::new(0),
         }
@@ -239,73 +286,65 @@ impl KvAware {
         self
     }
 
-    /// Matched blocks `[gpu, cpu, disk]` and dp rank per slot.
-    async fn matches(&self, tokens: &[u32]) -> Vec<([u32; 3], u32)> {
+    fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    /// Matched blocks per worker slot (= engine), and the dp rank holding them per engine.
+    async fn matches(&self, tokens: &[u32], roster: &Roster) -> (Vec<WorkerMatch>, Vec<u32>) {
         let bs = self.block_size.max(1) as u64;
         match &self.source {
             MatchSource::Oracle { engines } => engines
                 .iter()
-                .map(|e| {
+                .enumerate()
+                .map(|(slot, e)| {
                     let per_rank = e.cached_prefix_tokens(tokens);
-                    select::fold_ranks(
+                    let (blocks, rank) = select::fold_ranks(
                         per_rank
                             .iter()
                             .enumerate()
                             .map(|(r, &t)| (r as u32, [(t as u64 / bs) as u32; 3])),
-                        &self.weights,
-                    )
+                        &self.policy.weights,
+                    );
+                    let m = WorkerMatch {
+                        worker: WorkerId(slot as u32),
+                        blocks,
+                    };
+                    (m, rank)
                 })
-                .collect(),
+                .unzip(),
             MatchSource::Collector { client, url, model } => {
-                let mut out = vec![([0u32; 3], 0u32); self.slots.len()];
                 let resp = client
                     .post(format!("{url}/query"))
                     .json(&json!({"token_ids": tokens, "model_name": model}))
                     .send()
                     .await;
                 let parsed = match resp {
-                    Ok(r) if r.status().is_success() => r.json::<serde_json::Value>().await.ok(),
+                    Ok(r) if r.status().is_success() => r.json::<QueryResponse>().await.ok(),
                     _ => None,
                 };
-                let Some(v) = parsed else {
+                let Some(answer) = parsed else {
                     self.query_errors.fetch_add(1, Ordering::Relaxed);
-                    return out;
+                    return (Vec::new(), vec![0; self.slots.len()]);
                 };
-                let Some(instances) = v.get("instances").and_then(|i| i.as_object()) else {
-                    return out;
-                };
-                for (i, slot) in self.slots.iter().enumerate() {
-                    let Some(m) = instances.get(&slot.instance_id) else {
-                        continue;
-                    };
-                    let tok = |k: &str| m.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
-                    let (gpu, cpu, disk) = (
-                        tok("gpu"),
-                        tok("cpu").max(tok("gpu")),
-                        tok("disk").max(tok("longest_matched")),
-                    );
-                    let ranks: Vec<(u32, [u32; 3])> = m
-                        .get("dp")
-                        .and_then(|d| d.as_object())
-                        .map(|d| {
-                            d.iter()
-                                .filter_map(|(r, t)| {
-                                    Some((r.parse().ok()?, [(t.as_u64()? / bs) as u32; 3]))
-                                })
-                                .collect()
+                // The rank that holds the match, per engine, as the filter's remote mode reads it.
+                let ranks = self
+                    .slots
+                    .iter()
+                    .map(|s| {
+                        answer.instances.get(&s.instance_id).map_or(0, |m| {
+                            rank_by(
+                                RankRule::MostTokens,
+                                m.dp.iter()
+                                    .filter_map(|(r, t)| r.parse::<u32>().ok().map(|r| (r, *t))),
+                            )
                         })
-                        .unwrap_or_default();
-                    let rank = if ranks.len() > 1 {
-                        select::fold_ranks(ranks, &self.weights).1
-                    } else {
-                        ranks.first().map_or(0, |r| r.0)
-                    };
-                    out[i] = (
-                        [(gpu / bs) as u32, (cpu / bs) as u32, (disk / bs) as u32],
-                        rank,
-                    );
-                }
-                out
+                    })
+                    .collect();
+                (
+                    router::answer_on_roster(&answer, roster).unwrap_or_default(),
+                    ranks,
+                )
             }
         }
     }
@@ -314,74 +353,88 @@ impl KvAware {
 impl Route for KvAware {
     fn route<'a>(&'a self, req: RouteRequest<'a>) -> BoxFuture<'a, Decision> {
         Box::pin(async move {
-            let matches = self.matches(req.tokens).await;
-            let query_blocks = (req.tokens.len() / self.block_size.max(1) as usize) as u32;
-            let candidates: Vec<Candidate> = matches
-                .iter()
-                .enumerate()
-                .map(|(i, (m, rank))| {
-                    let l = self.load.get(i);
-                    Candidate {
-                        matched: *m,
-                        dp_rank: *rank,
-                        in_flight_requests: l.requests,
-                        in_flight_prefill_tokens: l.backlog.into(),
-                    }
-                })
-                .collect();
-            let (slot, rank) = if self.choice == Choice::LongestPrefix {
-                let mut rng = self.rng.lock().expect("rng");
-                let slot = longest_prefix(&candidates, &mut rng);
-                (slot, Some(matches[slot].1))
+            let roster = self.inproc.lock().expect("router").roster.clone();
+            let (matches, ranks) = self.matches(req.tokens, &roster).await;
+            let query = Query {
+                blocks: (req.tokens.len() / self.block_size.max(1) as usize) as u32,
+                block_size: self.block_size.max(1),
+            };
+            let inproc = self.inproc.lock().expect("router");
+            let now = self.now_ms();
+            let picture = inproc.picture(now);
+            let (slot, matched_blocks, idle) = if self.choice == Choice::LongestPrefix {
+                let candidates: Vec<Candidate> = (0..self.slots.len())
+                    .map(|i| {
+                        let l = picture.load(LoadId::slot(i as u32));
+                        Candidate {
+                            matched: matches
+                                .iter()
+                                .find(|m| m.worker.0 as usize == i)
+                                .map_or([0; 3], |m| m.blocks),
+                            dp_rank: 0,
+                            in_flight_requests: l.requests,
+                            in_flight_prefill_tokens: l.prefill_tokens,
+                        }
+                    })
+                    .collect();
+                let slot = longest_prefix(&candidates, &mut self.rng.lock().expect("rng"));
+                let c = &candidates[slot];
+                (slot, c.matched[2], c.in_flight_prefill_tokens == 0)
             } else {
+                let field = Field::Roster {
+                    roster: &roster,
+                    matches: &matches,
+                    tenant: "",
+                    model: "",
+                };
                 let mut rng = self.rng.lock().expect("rng");
-                match select::pick(
-                    &candidates,
-                    query_blocks,
-                    self.block_size,
-                    &self.weights,
-                    &mut *rng,
-                ) {
-                    Some(c) => (c.best, Some(c.dp_rank)),
-                    None => {
-                        let unmatched: Vec<Candidate> = candidates
-                            .iter()
-                            .map(|c| Candidate {
-                                matched: [0; 3],
-                                ..*c
-                            })
-                            .collect();
-                        (
-                            least_cost(
-                                &unmatched,
-                                query_blocks,
-                                self.block_size,
-                                &self.weights,
-                                &mut rng,
-                            ),
-                            None,
-                        )
-                    }
+                match router::route(field, query, &picture, &self.policy, &mut *rng).verdict {
+                    Verdict::Route { decision, target } => (
+                        target.slot().unwrap_or(0) as usize,
+                        decision.matched_blocks,
+                        decision.queued_prefill_tokens == 0,
+                    ),
+                    // Every engine serves the bench's model: never reached; the first engine.
+                    Verdict::Deferred | Verdict::NoMatch => (0, 0, false),
                 }
             };
-            let matched_tokens = matches[slot].0[2] as usize * self.block_size as usize;
+            let matched_tokens = matched_blocks as usize * self.block_size as usize;
             let uncached = req.tokens.len().saturating_sub(matched_tokens);
-            let (booked_at_ms, idle) = self.load.add(slot, uncached);
+            let prefill = uncached.min(u32::MAX as usize) as u32;
+            let booked = inproc
+                .books()
+                .book(picture, LoadId::slot(slot as u32), prefill, 0, idle);
+            drop(inproc);
             Decision {
                 url: self.slots[slot].url.clone(),
-                dp_rank: rank,
+                dp_rank: Some(ranks.get(slot).copied().unwrap_or(0)),
                 slot,
                 uncached_tokens: uncached,
-                booked_at_ms,
+                booked_at_ms: booked.map_or(now, |b| b.at_ms),
                 idle,
             }
         })
     }
     fn on_first_token(&self, d: &Decision) {
-        self.load.first_token(d);
+        let mut b = booked(d, true);
+        let inproc = self.inproc.lock().expect("router");
+        let _ = inproc.books().release_prefill(&mut b, self.now_ms());
     }
     fn on_done(&self, d: &Decision) {
-        self.load.done(d.slot);
+        let inproc = self.inproc.lock().expect("router");
+        let _ = inproc.books().release(booked(d, false), self.now_ms());
+    }
+}
+
+/// The booking of `d` as the router made it; `prefill_open`: its prefill is still booked.
+fn booked(d: &Decision, prefill_open: bool) -> Booked {
+    Booked {
+        id: LoadId::slot(d.slot as u32),
+        prefill: d.uncached_tokens.min(u32::MAX as usize) as u32,
+        decode: 0,
+        prefill_open,
+        at_ms: d.booked_at_ms,
+        idle: d.idle,
     }
 }
 
@@ -424,23 +477,6 @@ impl Route for Alternate {
     }
 }
 
-/// The cheapest candidate by `select::cost`, random among exact ties.
-fn least_cost(
-    c: &[Candidate],
-    query_blocks: u32,
-    block_size: u32,
-    w: &Weights,
-    rng: &mut SplitMix64,
-) -> usize {
-    let costs: Vec<f64> = c
-        .iter()
-        .map(|c| select::cost(c, query_blocks, block_size, w))
-        .collect();
-    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-    let ties: Vec<usize> = (0..c.len()).filter(|&i| costs[i] == min).collect();
-    ties[(select::Random::next_u64(rng) % ties.len() as u64) as usize]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -452,24 +488,6 @@ mod tests {
                 instance_id: format!("e{i}"),
             })
             .collect()
-    }
-
-    #[test]
-    fn least_cost_prefers_less_queued_prefill() {
-        let c = [
-            Candidate {
-                in_flight_prefill_tokens: 1000,
-                ..Candidate::default()
-            },
-            Candidate {
-                in_flight_prefill_tokens: 10,
-                ..Candidate::default()
-            },
-        ];
-        assert_eq!(
-            least_cost(&c, 4, 16, &Weights::default(), &mut SplitMix64(1)),
-            1
-        );
     }
 
     #[test]

@@ -2,11 +2,11 @@
 //! (booked per instance, since the collector's answer names instances, not mirror slots).
 
 use kvroute::api::{QueryRequest, QueryResponse};
-use kvroute::route;
+use kvroute::router::{self, Field, Verdict};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
 use super::{Http, Phase, Res, Tok};
-use crate::books::Picture;
+use crate::books;
 use crate::config::Config;
 use crate::host;
 use crate::outcome::Outcome;
@@ -81,43 +81,18 @@ impl Http {
     pub(super) fn route_answer(&mut self, vm: &VmRef, cfg: &Config, resp: &QueryResponse) {
         // Remote mode books per instance, which the fleet's per-worker totals do not name:
         // its own books only.
-        let picture = Picture::read(vm, cfg, host::now_ms());
-        let contenders = route::remote_contenders(resp, |id| picture.load(id));
-        let only: Vec<route::Contender> = contenders.iter().map(|c| c.0).collect();
-        let query = route::Query {
+        let picture = books::picture(vm, cfg, host::now_ms());
+        let query = router::Query {
             blocks: resp.query_blocks,
             block_size: resp.block_size.max(1),
         };
-        let decision = match vm.rng.try_borrow_mut() {
-            Ok(mut rng) => route::decide(&only, query, &picture.policy(cfg), &mut *rng),
-            Err(_) => None,
+        let verdict = match vm.rng.try_borrow_mut() {
+            Ok(mut rng) => {
+                router::route(Field::Answer(resp), query, &picture, &cfg.policy, &mut *rng).verdict
+            }
+            Err(_) => Verdict::NoMatch,
         };
-        // `remote_contenders` keeps the answer's instance order: index i is the i-th entry.
-        let entry = |i: usize| resp.instances.values().nth(i);
-        let Some((d, best, &(_, load_id))) =
-            decision.and_then(|d| Some((d, entry(d.best)?, contenders.get(d.best)?)))
-        else {
-            let o = if only.is_empty() {
-                Outcome::NoMatch
-            } else {
-                Outcome::Deferred
-            };
-            self.finish(vm, o);
-            return;
-        };
-        self.engine_idle = d.queued_prefill_tokens == 0;
-        let runner = d.runner_up.and_then(entry).map(|m| m.address.as_str());
-        self.route(
-            vm,
-            cfg,
-            picture,
-            &best.address,
-            runner,
-            (best.dp.len() > 1).then_some(d.dp_rank),
-            load_id,
-            d.matched_blocks,
-            query.block_size,
-        );
+        self.conclude(vm, cfg, picture, verdict, query.block_size);
     }
 }
 

@@ -8,9 +8,9 @@
 //!    makes per request. A 404 (no tokenizer for the model) is remembered per model for
 //!    `text.no_tokenizer_ttl_ms`; a 404, a timeout or any other failure falls to 3.
 //! 3. Approximate: the engines recorded for the longest prefix of the chain
-//!    ([`approx::TextTable::lookup`]) become matches for the same `Roster::contenders` →
-//!    `route::decide` as token requests, with `CHARS_PER_TOKEN` characters counted as a
-//!    token. It needs the engine list of the local index: in remote mode, or before the
+//!    ([`approx::TextTable::lookup`]) become matches for the same `router::route` as token
+//!    requests, with `CHARS_PER_TOKEN` characters counted as a token. It
+//!    needs the engine list of the local index: in remote mode, or before the
 //!    first sync, the request goes on unrouted (`no_match`, `stale_index`). Its index may be
 //!    stale (the collector down): the table is the filter's own knowledge.
 //!
@@ -23,14 +23,14 @@ use kvroute::api::QueryResponse;
 use kvroute::approx::{self, CHARS_PER_TOKEN};
 use kvroute::event::WorkerId;
 use kvroute::lookup::WorkerMatch;
-use kvroute::mirror::{self, LoadId, CAS_RETRIES};
-use kvroute::route::{self, RankRule};
+use kvroute::mirror::{self, CAS_RETRIES};
+use kvroute::router::{self, Field, Verdict};
 use kvroute::scope::ScopeId;
 use proxy_wasm::types::Action;
 
 use super::remote::query_answer;
-use super::{undecided, Http, Phase, Target, Text, TextPath, TextScope};
-use crate::books::Picture;
+use super::{Http, Phase, Text, TextPath, TextScope};
+use crate::books;
 use crate::config::{millis, Config, Mode};
 use crate::host::{self, HostStore};
 use crate::outcome::Outcome;
@@ -204,32 +204,10 @@ impl Http {
         let Some(scope) = self.text.clone() else {
             return false;
         };
-        let bs = u64::from(resp.block_size.max(1));
-        let blocks = |t: u64| (t / bs).min(u32::MAX as u64) as u32;
-        let mut matches = Vec::new();
-        for (id, m) in &resp.instances {
-            let Some(inst) = cache.roster.instances.iter().find(|i| i.id == *id) else {
-                continue;
-            };
-            let rank = route::rank_by(
-                RankRule::MostTokens,
-                m.dp.iter()
-                    .filter_map(|(r, t)| r.parse::<u32>().ok().map(|r| (r, *t))),
-            );
-            if let Some(slot) = inst.slot_of_rank(rank) {
-                matches.push(WorkerMatch {
-                    worker: WorkerId(slot),
-                    blocks: [
-                        blocks(m.gpu),
-                        blocks(m.cpu),
-                        blocks(m.disk.max(m.longest_matched)),
-                    ],
-                });
-            }
-        }
-        if matches.is_empty() && !resp.instances.is_empty() {
+        let Some(mut matches) = router::answer_on_roster(resp, &cache.roster) else {
             return false;
-        }
+        };
+        let bs = u64::from(resp.block_size.max(1));
         // Text decisions younger than the speculative time-to-live count as held (GPU tier),
         // as for token requests: siblings arriving before the engine's KV events follow.
         // Their characters are converted to the answer's blocks and never exceed the query.
@@ -242,25 +220,18 @@ impl Http {
             let chars_per_block = u64::from(CHARS_PER_TOKEN) * bs;
             for (slot, depth) in recent.holders {
                 let est = u64::from(depth) * u64::from(cfg.text.block_chars) / chars_per_block;
-                let b = (est.min(u64::from(resp.query_blocks))) as u32;
-                match matches.iter_mut().find(|m| m.worker.0 == slot) {
-                    Some(m) => {
-                        for x in &mut m.blocks {
-                            *x = (*x).max(b);
-                        }
-                    }
-                    None => matches.push(WorkerMatch {
-                        worker: WorkerId(slot),
-                        blocks: [b; 3],
-                    }),
-                }
+                router::hold(
+                    &mut matches,
+                    slot,
+                    est.min(u64::from(resp.query_blocks)) as u32,
+                );
             }
         }
         let (model, _) = cache.meta.resolve(&scope.tenant, &scope.served);
         let model = model.to_owned();
         drop(cache);
         self.query_tokens = resp.query_blocks.saturating_mul(resp.block_size.max(1));
-        let query = route::Query {
+        let query = router::Query {
             blocks: resp.query_blocks,
             block_size: resp.block_size.max(1),
         };
@@ -314,7 +285,7 @@ impl Http {
             })
             .collect();
         host::increment_metric(vm.metrics.text.approx, 1);
-        let query = route::Query {
+        let query = router::Query {
             blocks: u32::try_from(self.text_hashes.len()).unwrap_or(u32::MAX),
             block_size: text_block_tokens(cfg),
         };
@@ -330,45 +301,36 @@ impl Http {
         matches: &[WorkerMatch],
         tenant: &str,
         model: &str,
-        query: route::Query,
+        query: router::Query,
     ) {
         let now = host::now_ms();
         let Ok(cache) = vm.cache.try_borrow() else {
             self.finish(vm, Outcome::NoMatch);
             return;
         };
-        let picture = Picture::read(vm, cfg, now);
-        let contenders =
-            cache
-                .roster
-                .contenders(matches, tenant, model, |id| picture.load(id), &cfg.weights);
-        let decision = match vm.rng.try_borrow_mut() {
-            Ok(mut rng) => route::decide(&contenders, query, &picture.policy(cfg), &mut *rng),
-            Err(_) => None,
+        let picture = books::picture(vm, cfg, now);
+        let field = Field::Roster {
+            roster: &cache.roster,
+            matches,
+            tenant,
+            model,
         };
-        let Some((d, to)) = decision.and_then(|d| Target::of(&cache.roster, &d).map(|t| (d, t)))
-        else {
-            self.finish(vm, undecided(&contenders));
-            return;
+        let verdict = match vm.rng.try_borrow_mut() {
+            Ok(mut rng) => router::route(field, query, &picture, &cfg.policy, &mut *rng).verdict,
+            Err(_) => Verdict::NoMatch,
         };
         drop(cache);
-        self.engine_idle = d.queued_prefill_tokens == 0;
-        let slot = to.slot;
+        let Some(slot) = (match &verdict {
+            Verdict::Route { target, .. } => target.slot(),
+            _ => None,
+        }) else {
+            return self.conclude(vm, cfg, picture, verdict, query.block_size);
+        };
         let rec = vm
             .text_table
             .record(&HostStore, &self.text_hashes, slot, now, CAS_RETRIES);
         host::increment_metric(vm.metrics.text.evictions, rec.evicted.into());
         host::increment_metric(vm.metrics.text.lost_writes, rec.lost.into());
-        self.route(
-            vm,
-            cfg,
-            picture,
-            &to.address,
-            to.runner.as_deref(),
-            to.dp_rank,
-            LoadId::slot(slot),
-            d.matched_blocks,
-            query.block_size,
-        );
+        self.conclude(vm, cfg, picture, verdict, query.block_size);
     }
 }
