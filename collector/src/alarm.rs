@@ -12,6 +12,9 @@
 //! - `engine_silent`: a registered engine that gateways report in-flight requests for, and
 //!   that sent no KV event for `--alarm-silent-secs` of that traffic: it is routed with an
 //!   empty cache (events off, a wrong endpoint, a firewall).
+//! - `no_model`: a gateway's `no_model` count for a model name (the optional `no_model` map
+//!   of its `POST /v1/load` report) grew within the last [`NO_MODEL_WINDOW`]: requests name a
+//!   model no engine is registered for (an alias, a typo, the served name differs).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -26,6 +29,12 @@ use crate::shared::AppState;
 /// Most subjects (workers) tracked for `engine_silent`; the worker table is bounded lower
 /// (4096 slots), so this is never the binding limit. Over it, the oldest is forgotten.
 const MAX_TRACKED: usize = 8192;
+/// A `no_model` alarm stays raised this long after the count last grew.
+pub const NO_MODEL_WINDOW: Duration = Duration::from_secs(60);
+/// Longest model name kept from a report; longer ones are cut (at a char boundary).
+const MAX_MODEL_BYTES: usize = 256;
+/// Model names kept per report; the rest are ignored.
+const MAX_MODELS_PER_REPORT: usize = 64;
 
 /// Which alarm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -33,6 +42,8 @@ const MAX_TRACKED: usize = 8192;
 pub enum AlarmKind {
     /// An engine serves traffic and sends no KV events.
     EngineSilent,
+    /// Requests name a model no engine is registered for.
+    NoModel,
 }
 
 impl AlarmKind {
@@ -40,6 +51,7 @@ impl AlarmKind {
     pub fn as_str(self) -> &'static str {
         match self {
             AlarmKind::EngineSilent => "engine_silent",
+            AlarmKind::NoModel => "no_model",
         }
     }
 }
@@ -68,6 +80,9 @@ struct Inner {
     seen: HashMap<WorkerId, Seen>,
     /// The alarms raised at the last evaluation, by (kind, subject).
     raised: BTreeMap<(AlarmKind, String), Alarm>,
+    /// By (gateway, model): the last count reported and when it last grew. Bounded by
+    /// [`MAX_TRACKED`]: over it, new pairs are not tracked.
+    no_model: HashMap<(String, String), (u64, Option<Instant>)>,
 }
 
 /// The alarms' memory between evaluations.
@@ -88,6 +103,35 @@ pub struct EngineObservation {
 }
 
 impl Alarms {
+    /// Takes a gateway's cumulative `no_model` counts by model name, reported at `now`.
+    pub fn note_no_model(&self, gateway: &str, counts: &BTreeMap<String, u64>, now: Instant) {
+        if counts.is_empty() {
+            return;
+        }
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        for (model, &count) in counts.iter().take(MAX_MODELS_PER_REPORT) {
+            let mut end = model.len().min(MAX_MODEL_BYTES);
+            while !model.is_char_boundary(end) {
+                end -= 1;
+            }
+            let key = (gateway.to_owned(), model[..end].to_owned());
+            let len = inner.no_model.len();
+            match inner.no_model.get_mut(&key) {
+                Some((last, grew)) => {
+                    if count > *last {
+                        *grew = Some(now);
+                    }
+                    *last = count;
+                }
+                None if len < MAX_TRACKED => {
+                    let grew = (count > 0).then_some(now);
+                    inner.no_model.insert(key, (count, grew));
+                }
+                None => {}
+            }
+        }
+    }
+
     /// Evaluates `engines` at `now` against `silent_after`; returns the alarms raised, sorted,
     /// and logs each change.
     pub fn evaluate(
@@ -127,6 +171,25 @@ impl Alarms {
                 };
                 raised.insert((a.kind, a.subject.clone()), a);
             }
+        }
+        let mut no_model: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for ((gateway, model), (_, grew)) in &inner.no_model {
+            if grew.is_some_and(|t| now.saturating_duration_since(t) < NO_MODEL_WINDOW) {
+                no_model.entry(model).or_default().push(gateway);
+            }
+        }
+        for (model, mut gateways) in no_model {
+            gateways.sort_unstable();
+            let a = Alarm {
+                kind: AlarmKind::NoModel,
+                subject: model.to_owned(),
+                reason: format!(
+                    "no_model: requests for model {model:?} (gateways {}) found no engine registered for it in the last {} s (an alias or typo in requests, or engines registered under another model_name)",
+                    gateways.join(", "),
+                    NO_MODEL_WINDOW.as_secs()
+                ),
+            };
+            raised.insert((a.kind, a.subject.clone()), a);
         }
         for (key, a) in &raised {
             if !inner.raised.contains_key(key) {
@@ -217,6 +280,23 @@ mod tests {
         assert!(alarms.evaluate(&obs(1, 3), n, t0 + 2 * n).is_empty());
         assert!(alarms
             .evaluate(&obs(1, 3), n, t0 + 2 * n + n / 2)
+            .is_empty());
+    }
+
+    #[test]
+    fn no_model_raises_while_the_count_grows_and_clears_after_the_window() {
+        let alarms = Alarms::default();
+        let t0 = Instant::now();
+        let counts = |n: u64| BTreeMap::from([("alias".to_owned(), n)]);
+        alarms.note_no_model("gw", &counts(0), t0);
+        assert!(alarms.evaluate(&[], Duration::MAX, t0).is_empty());
+        alarms.note_no_model("gw", &counts(2), t0);
+        let raised = alarms.evaluate(&[], Duration::MAX, t0);
+        assert_eq!(raised[0].kind, AlarmKind::NoModel);
+        assert_eq!(raised[0].subject, "alias");
+        alarms.note_no_model("gw", &counts(2), t0 + NO_MODEL_WINDOW);
+        assert!(alarms
+            .evaluate(&[], Duration::MAX, t0 + NO_MODEL_WINDOW)
             .is_empty());
     }
 

@@ -69,6 +69,10 @@ pub struct LoadReport {
     pub gateway: String,
     pub epoch: u64,
     pub workers: Vec<WorkerReport>,
+    /// Optional (no filter sends it yet): requests this gateway answered `no_model` since it
+    /// started, by the request's model name; cumulative. Feeds the `no_model` alarm only.
+    #[serde(default)]
+    pub no_model: std::collections::BTreeMap<String, u64>,
 }
 
 /// One worker's entry of a [`LoadReport`]; a missing count is 0.
@@ -440,6 +444,7 @@ mod tests {
                     },
                 )
                 .collect(),
+            no_model: Default::default(),
         }
     }
 

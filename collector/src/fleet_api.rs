@@ -163,6 +163,9 @@ pub async fn post_load(
     match result {
         Ok(()) => {
             state.metrics.load_reports.inc();
+            state
+                .alarms
+                .note_no_model(&report.gateway, &report.no_model, now);
             Json(view(&fleet, epoch, &table, now)).into_response()
         }
         Err(e) => {

@@ -79,3 +79,28 @@ async fn healthy_fleet_raises_no_alarm() {
     let m = c.metrics().await;
     assert_eq!(counter(&m, "kvroute_alarms_raised"), 0.0, "{m}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_for_an_unregistered_model_raise_no_model() {
+    let (c, w, epoch) = silent_worker(&[]).await;
+    // The gateway's cumulative no_model count for "alias" grows from 0 to 4.
+    for n in [0, 4] {
+        let (s, v) = c
+            .post_load(json!({"gateway": "gw-1", "epoch": epoch,
+                "workers": [{"worker": w, "requests": 1}], "no_model": {"alias": n}}))
+            .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+    }
+    let (s, h) = health(&c).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(h["status"], "degraded", "{h}");
+    assert_eq!(h["alarms"][0]["alarm"], "no_model", "{h}");
+    assert_eq!(h["alarms"][0]["subject"], "alias");
+    assert!(h["reasons"][0].as_str().unwrap().contains("gw-1"), "{h}");
+    let m = c.metrics().await;
+    assert_eq!(
+        counter(&m, "kvroute_alarm{alarm=\"no_model\",subject=\"alias\"}"),
+        1.0,
+        "{m}"
+    );
+}
