@@ -141,11 +141,26 @@ function setHealth(h) {
     el.className = "badge";
     el.textContent = "…";
     el.title = "collector /health";
+    setAlarms([]);
     return;
   }
   el.className = "badge " + (h.status === "ok" ? "ok" : "warn");
   el.textContent = h.status === "ok" ? "collector ok" : "collector degraded";
   el.title = h.reasons && h.reasons.length ? h.reasons.join("\n") : "no problems reported";
+  setAlarms(h.alarms);
+}
+
+/** The alarm banner: one line per alarm `/health` lists (`{alarm, subject, reason}`). */
+function setAlarms(alarms) {
+  const list = Array.isArray(alarms) ? alarms : [];
+  const items = list.map((a) => {
+    const li = document.createElement("li");
+    li.dataset.alarm = a.alarm;
+    li.textContent = a.reason;
+    return li;
+  });
+  $("alarm-list").replaceChildren(...items);
+  $("alarms").hidden = items.length === 0;
 }
 
 function ago(ms) {
