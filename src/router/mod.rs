@@ -241,3 +241,6 @@ impl Target {
         self.load_id.as_slot()
     }
 }
+
+#[cfg(test)]
+mod tests;
