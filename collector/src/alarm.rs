@@ -23,8 +23,6 @@ use std::time::{Duration, Instant};
 use kvroute::event::WorkerId;
 use tracing::{info, warn};
 
-use crate::metrics::AlarmLabels;
-use crate::shared::AppState;
 
 /// Most subjects (workers) tracked for `engine_silent`; the worker table is bounded lower
 /// (4096 slots), so this is never the binding limit. Over it, the oldest is forgotten.
@@ -103,6 +101,12 @@ pub struct EngineObservation {
 }
 
 impl Alarms {
+    /// The alarms raised at the last evaluation, as `(kind, subject)`.
+    pub fn raised_keys(&self) -> Vec<(AlarmKind, String)> {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.raised.keys().cloned().collect()
+    }
+
     /// Takes a gateway's cumulative `no_model` counts by model name, reported at `now`.
     pub fn note_no_model(&self, gateway: &str, counts: &BTreeMap<String, u64>, now: Instant) {
         if counts.is_empty() {
@@ -208,50 +212,6 @@ impl Alarms {
     }
 }
 
-/// Evaluates every alarm of `state` now and updates their gauges.
-pub fn evaluate(state: &AppState) -> Vec<Alarm> {
-    let now = Instant::now();
-    let totals = state.fleet().totals(now);
-    let engines: Vec<EngineObservation> = {
-        let hub = state.read();
-        hub.workers()
-            .map(|w| EngineObservation {
-                worker: w.id,
-                subject: format!("{}/{}", w.reg.instance_id, w.dp_rank()),
-                events: w.status.events,
-                requests: totals
-                    .binary_search_by_key(&w.id, |t| t.worker)
-                    .map_or(0, |i| totals[i].load.requests),
-            })
-            .collect()
-    };
-    let before: Vec<(AlarmKind, String)> = {
-        let inner = state.alarms.inner.lock().unwrap_or_else(|e| e.into_inner());
-        inner.raised.keys().cloned().collect()
-    };
-    let alarms = state
-        .alarms
-        .evaluate(&engines, state.config.alarm_silent, now);
-    // A cleared alarm's series is dropped, not left at 0 forever: subjects come and go.
-    for (kind, subject) in before {
-        state.metrics.alarm.remove(&AlarmLabels {
-            alarm: kind.as_str(),
-            subject,
-        });
-    }
-    for a in &alarms {
-        state
-            .metrics
-            .alarm
-            .get_or_create(&AlarmLabels {
-                alarm: a.kind.as_str(),
-                subject: a.subject.clone(),
-            })
-            .set(1);
-    }
-    state.metrics.alarms_raised.set(alarms.len() as i64);
-    alarms
-}
 
 #[cfg(test)]
 mod tests {

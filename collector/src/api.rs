@@ -22,10 +22,11 @@ use kvroute::feed::{LOAD_EXCLUDES_HEADER, REPLICA_HEADER};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
+use crate::alarm::{Alarm, EngineObservation};
 use crate::edge;
 use crate::fleet::GatewayId;
 use crate::hub::{HubError, Registered};
-use crate::metrics::{EndpointLabels, FeedLabels};
+use crate::metrics::{AlarmLabels, EndpointLabels, FeedLabels};
 use crate::shared::AppState;
 use crate::text::{TextQueryRequest, TokenizeError, TokenizeRequest, TokenizeResponse};
 use kvroute::api::{
@@ -473,7 +474,7 @@ async fn health(State(state): State<AppState>) -> Response {
     drop(hub);
     // Degraded still answers 200: the collector serves; the reasons say what is wrong.
     let mut problems = state.problems();
-    let alarms = crate::alarm::evaluate(&state);
+    let alarms = evaluate_alarms(&state);
     problems.extend(alarms.iter().map(|a| a.reason.clone()));
     let status = if problems.is_empty() {
         "ok"
@@ -491,7 +492,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
     state.read().update_gauges(&state.metrics);
     // Also refreshes the ingest lag gauge.
     state.problems();
-    crate::alarm::evaluate(&state);
+    evaluate_alarms(&state);
     let gateways = state.fleet().gateways(Instant::now());
     state.metrics.fleet_gateways.set(gateways as i64);
     let body = state.metrics.encode();
@@ -503,4 +504,46 @@ async fn metrics(State(state): State<AppState>) -> Response {
         body,
     )
         .into_response()
+}
+
+/// Evaluates every alarm of `state` now and updates their gauges.
+fn evaluate_alarms(state: &AppState) -> Vec<Alarm> {
+    let now = Instant::now();
+    let totals = state.fleet().totals(now);
+    let engines: Vec<EngineObservation> = {
+        let hub = state.read();
+        hub.workers()
+            .map(|w| EngineObservation {
+                worker: w.id,
+                subject: format!("{}/{}", w.reg.instance_id, w.dp_rank()),
+                events: w.status.events,
+                requests: totals
+                    .binary_search_by_key(&w.id, |t| t.worker)
+                    .map_or(0, |i| totals[i].load.requests),
+            })
+            .collect()
+    };
+    let before = state.alarms.raised_keys();
+    let alarms = state
+        .alarms
+        .evaluate(&engines, state.config.alarm_silent, now);
+    // A cleared alarm's series is dropped, not left at 0 forever: subjects come and go.
+    for (kind, subject) in before {
+        state.metrics.alarm.remove(&AlarmLabels {
+            alarm: kind.as_str(),
+            subject,
+        });
+    }
+    for a in &alarms {
+        state
+            .metrics
+            .alarm
+            .get_or_create(&AlarmLabels {
+                alarm: a.kind.as_str(),
+                subject: a.subject.clone(),
+            })
+            .set(1);
+    }
+    state.metrics.alarms_raised.set(alarms.len() as i64);
+    alarms
 }
