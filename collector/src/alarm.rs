@@ -23,7 +23,6 @@ use std::time::{Duration, Instant};
 use kvroute::event::WorkerId;
 use tracing::{info, warn};
 
-
 /// Most subjects (workers) tracked for `engine_silent`; the worker table is bounded lower
 /// (4096 slots), so this is never the binding limit. Over it, the oldest is forgotten.
 const MAX_TRACKED: usize = 8192;
@@ -211,7 +210,6 @@ impl Alarms {
         out
     }
 }
-
 
 #[cfg(test)]
 mod tests {
