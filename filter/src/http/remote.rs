@@ -38,17 +38,7 @@ impl Http {
             self.finish(vm, Outcome::CollectorError);
             return Action::Continue;
         };
-        let auth = cfg.read_token.as_ref().map(|t| format!("Bearer {t}"));
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", "/query"),
-            (":authority", cfg.authority.as_str()),
-            ("content-type", "application/json"),
-        ];
-        if let Some(a) = auth.as_deref() {
-            headers.push(("authorization", a));
-        }
-        match host::http_call(&cfg.cluster, headers, Some(&body), cfg.query_timeout) {
+        match call_query(cfg, &body) {
             Some(token) => {
                 self.callout = Some(token);
                 self.phase = Phase::WaitingCallout;
@@ -94,6 +84,23 @@ impl Http {
         };
         self.conclude(vm, cfg, picture, verdict, query.block_size);
     }
+}
+
+/// Sends `POST /query` with `body` to the collector, with the read token when configured;
+/// the callout's token (`None`: the call could not be made). Every `/query` callout (token
+/// ids in remote mode, text in both modes) goes through here.
+pub(super) fn call_query(cfg: &Config, body: &[u8]) -> Option<u32> {
+    let auth = cfg.read_token.as_ref().map(|t| format!("Bearer {t}"));
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", "/query"),
+        (":authority", cfg.authority.as_str()),
+        ("content-type", "application/json"),
+    ];
+    if let Some(a) = auth.as_deref() {
+        headers.push(("authorization", a));
+    }
+    host::http_call(&cfg.cluster, headers, Some(body), cfg.query_timeout)
 }
 
 /// The `/query` callout's answer: the parsed body of a 200, else the status (`None`: no

@@ -28,7 +28,7 @@ use kvroute::router::{self, Field, Verdict};
 use kvroute::scope::ScopeId;
 use proxy_wasm::types::Action;
 
-use super::remote::query_answer;
+use super::remote::{call_query, query_answer};
 use super::{Http, Phase, Text, TextPath, TextScope};
 use crate::books;
 use crate::config::{millis, Config, Mode};
@@ -127,17 +127,7 @@ impl Http {
             }
         }
         body.push(b'}');
-        let auth = cfg.read_token.as_ref().map(|t| format!("Bearer {t}"));
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", "/query"),
-            (":authority", cfg.authority.as_str()),
-            ("content-type", "application/json"),
-        ];
-        if let Some(a) = auth.as_deref() {
-            headers.push(("authorization", a));
-        }
-        host::http_call(&cfg.cluster, headers, Some(&body), cfg.query_timeout)
+        call_query(cfg, &body)
     }
 
     /// The collector's answer to a text query.
