@@ -49,6 +49,7 @@
 //! that goes away first loses its blocks (as `Blocks` removals), then gets a `WorkerGone`.
 
 use crate::codec::{put_str_varint, put_varint, CodecError, Reader};
+use crate::engine::EngineLoad;
 use crate::event::{Tier, WorkerId};
 use crate::scope::BlockKey;
 
@@ -75,12 +76,8 @@ const HEADER_LEN: usize = 4 + 1 + 1 + 8 + 8;
 /// An engine's own report of its load, as of `age_ms` before the page was served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct EngineSample {
-    /// Requests queued, not yet scheduled.
-    pub waiting: u32,
-    /// Requests in the running batch.
-    pub running: u32,
-    /// KV cache in use, per mille (0..=1000).
-    pub kv_permille: u16,
+    /// The engine's figures.
+    pub load: EngineLoad,
     /// Age of the sample when the page was served.
     pub age_ms: u32,
     /// The collector marks it stale (the engine stopped answering): do not trust it.
@@ -335,9 +332,9 @@ impl Page {
                         None => out.push(0),
                         Some(e) => {
                             out.push(if e.stale { 2 } else { 1 });
-                            put_varint(out, e.waiting as u64);
-                            put_varint(out, e.running as u64);
-                            put_varint(out, e.kv_permille.min(1000) as u64);
+                            put_varint(out, e.load.waiting as u64);
+                            put_varint(out, e.load.running as u64);
+                            put_varint(out, e.load.kv_permille.min(1000) as u64);
                             put_varint(out, e.age_ms as u64);
                         }
                     }
@@ -496,9 +493,11 @@ impl Page {
                                 });
                             }
                             Some(EngineSample {
-                                waiting,
-                                running,
-                                kv_permille: kv as u16,
+                                load: EngineLoad {
+                                    waiting,
+                                    running,
+                                    kv_permille: kv as u16,
+                                },
                                 age_ms: r.u32_varint()?,
                                 stale: flag == 2,
                             })
@@ -622,9 +621,11 @@ mod tests {
                         decode_tokens,
                         engine: e.map(|(waiting, running, kv_permille, age_ms, stale)| {
                             EngineSample {
-                                waiting,
-                                running,
-                                kv_permille,
+                                load: EngineLoad {
+                                    waiting,
+                                    running,
+                                    kv_permille,
+                                },
                                 age_ms,
                                 stale,
                             }
@@ -731,7 +732,10 @@ mod tests {
                 prefill_tokens: 0,
                 decode_tokens: 0,
                 engine: Some(EngineSample {
-                    kv_permille: 1000,
+                    load: EngineLoad {
+                        kv_permille: 1000,
+                        ..EngineLoad::default()
+                    },
                     ..EngineSample::default()
                 }),
             }],

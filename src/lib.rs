@@ -30,6 +30,7 @@
 pub mod api;
 pub mod approx;
 pub mod codec;
+pub mod engine;
 pub mod event;
 pub mod feed;
 pub mod hash;

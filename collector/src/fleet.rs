@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use kvroute::event::WorkerId;
+use kvroute::router::EngineLoad;
 use serde::{Deserialize, Serialize};
 
 /// Longest gateway id, bytes.
@@ -136,12 +137,8 @@ impl LoadError {
 /// What an engine says of itself, from one scrape of its `/metrics`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EngineSample {
-    /// Requests queued, not yet scheduled.
-    pub waiting: u64,
-    /// Requests in the running batch.
-    pub running: u64,
-    /// KV cache in use, 0.0..=1.0.
-    pub kv_usage: f64,
+    /// Its figures, converted once from the engine's gauges.
+    pub load: EngineLoad,
     /// When it was scraped.
     pub at: Instant,
 }
@@ -559,9 +556,11 @@ mod tests {
         f.set_engine(
             WorkerId(3),
             EngineSample {
-                waiting: 5,
-                running: 2,
-                kv_usage: 0.5,
+                load: EngineLoad {
+                    waiting: 5,
+                    running: 2,
+                    kv_permille: 500,
+                },
                 at: t,
             },
         );

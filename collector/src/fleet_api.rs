@@ -75,9 +75,9 @@ fn view(fleet: &Fleet, epoch: u64, table: &[(WorkerId, String, u32)], now: Insta
                 prefill_tokens: load.prefill_tokens,
                 decode_tokens: load.decode_tokens,
                 engine: t.and_then(|t| t.engine).map(|e| EngineView {
-                    waiting: e.sample.waiting,
-                    running: e.sample.running,
-                    kv_usage: e.sample.kv_usage,
+                    waiting: e.sample.load.waiting.into(),
+                    running: e.sample.load.running.into(),
+                    kv_usage: e.sample.load.kv_usage(),
                     age_ms: e.age.as_millis() as u64,
                     stale: e.stale,
                 }),

@@ -25,6 +25,7 @@ use tokio::time::MissedTickBehavior;
 use crate::fleet::EngineSample;
 use crate::metrics::ReasonLabels;
 use crate::shared::AppState;
+use kvroute::router::EngineLoad;
 
 /// Scrapes in flight at once.
 pub const CONCURRENCY: usize = 32;
@@ -66,13 +67,8 @@ impl ScrapeError {
     }
 }
 
-/// One rank's figures from one page.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RankFigures {
-    pub waiting: u64,
-    pub running: u64,
-    pub kv_usage: f64,
-}
+/// One rank's figures from one page, in the unit every part uses from here to the decision.
+pub type RankFigures = EngineLoad;
 
 #[derive(Clone, Copy)]
 enum Field {
@@ -159,13 +155,9 @@ pub fn parse(text: &str) -> Result<BTreeMap<u32, RankFigures>, ScrapeError> {
         .filter_map(|(rank, a)| {
             Some((
                 rank,
-                RankFigures {
-                    waiting: a.waiting?.round() as u64,
-                    running: a.running?.round() as u64,
-                    // A fraction by both engines' definitions; a page without it reads as an
-                    // empty cache rather than no sample, since the queue is what matters most.
-                    kv_usage: a.kv.or(a.kv_old).unwrap_or(0.0).min(1.0),
-                },
+                // KV usage is a fraction by both engines' definitions; a page without it reads
+                // as an empty cache rather than no sample, since the queue is what matters most.
+                EngineLoad::from_gauges(a.waiting?, a.running?, a.kv.or(a.kv_old).unwrap_or(0.0)),
             ))
         })
         .collect();
@@ -396,15 +388,7 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
                     let hub = state.read();
                     for (worker, rank) in t.still_registered(&hub) {
                         if let Some(f) = ranks.get(&rank) {
-                            fleet.set_engine(
-                                worker,
-                                EngineSample {
-                                    waiting: f.waiting,
-                                    running: f.running,
-                                    kv_usage: f.kv_usage,
-                                    at,
-                                },
-                            );
+                            fleet.set_engine(worker, EngineSample { load: *f, at });
                         }
                     }
                 }
@@ -475,10 +459,10 @@ mod tests {
             RankFigures {
                 waiting: 7,
                 running: 3,
-                kv_usage: 0.25
+                kv_permille: 250
             }
         );
-        assert_eq!(r[&1].kv_usage, 0.5);
+        assert_eq!(r[&1].kv_permille, 500);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use kvroute::intake::FieldKind;
 use kvroute::mirror::Limits;
-use kvroute::router::{Cold, Policy};
+use kvroute::router::{Cold, Policy, PolicyConfig};
 use kvroute::select::Weights;
 use serde::Deserialize;
 
@@ -177,10 +177,10 @@ struct RawLoad {
     gateway_id: Option<String>,
     #[serde(default = "default_true")]
     fleet: bool,
-    #[serde(default = "default_max_waiting")]
-    max_waiting: u32,
-    #[serde(default = "default_max_kv_usage")]
-    max_kv_usage: f64,
+    #[serde(default)]
+    max_waiting: Option<u32>,
+    #[serde(default)]
+    max_kv_usage: Option<f64>,
     #[serde(default = "default_decode_tokens")]
     default_decode_tokens: u32,
     #[serde(default)]
@@ -193,34 +193,27 @@ impl Default for RawLoad {
             ttl_ms: default_load_ttl(),
             gateway_id: None,
             fleet: true,
-            max_waiting: default_max_waiting(),
-            max_kv_usage: default_max_kv_usage(),
+            max_waiting: None,
+            max_kv_usage: None,
             default_decode_tokens: default_decode_tokens(),
             prefill_tokens_per_s: None,
         }
     }
 }
 
-#[derive(Deserialize, Clone, Copy)]
-#[serde(rename_all = "lowercase")]
-enum RawCold {
-    Decide,
-    Defer,
-}
-
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawRoute {
-    #[serde(default = "default_cold")]
-    cold: RawCold,
+    #[serde(default)]
+    cold: Option<Cold>,
     #[serde(default = "default_speculative_ttl")]
     speculative_ttl_ms: u64,
-    #[serde(default = "default_max_hit_queue_tokens")]
+    #[serde(default)]
     max_hit_queue_tokens: Option<u64>,
     #[serde(default)]
-    temperature: f64,
-    #[serde(default = "default_replica_tie_band")]
-    replica_tie_band: f64,
+    temperature: Option<f64>,
+    #[serde(default)]
+    replica_tie_band: Option<f64>,
     /// The additive affinity this replaced: accepted so that existing configurations load,
     /// and ignored (logged) because it could outweigh a real queue.
     #[serde(default)]
@@ -230,83 +223,40 @@ struct RawRoute {
 impl Default for RawRoute {
     fn default() -> Self {
         RawRoute {
-            cold: default_cold(),
+            cold: None,
             speculative_ttl_ms: default_speculative_ttl(),
-            max_hit_queue_tokens: default_max_hit_queue_tokens(),
-            temperature: Policy::default().temperature,
-            replica_tie_band: default_replica_tie_band(),
+            max_hit_queue_tokens: None,
+            temperature: None,
+            replica_tie_band: None,
             replica_spread_tokens: None,
         }
     }
 }
 
-/// A band wider than this is no tie-break but a second policy that can outweigh real load.
-const MAX_REPLICA_TIE_BAND: f64 = 64.0;
-
-fn default_replica_tie_band() -> f64 {
-    Policy::default().replica_tie_band
-}
 fn default_true() -> bool {
     true
-}
-fn default_max_waiting() -> u32 {
-    Policy::default().max_waiting
-}
-fn default_max_kv_usage() -> f64 {
-    f64::from(Policy::default().max_kv_usage)
 }
 fn default_decode_tokens() -> u32 {
     256
 }
-fn default_cold() -> RawCold {
-    RawCold::Decide
-}
 fn default_speculative_ttl() -> u64 {
     2000
 }
-fn default_max_hit_queue_tokens() -> Option<u64> {
-    Policy::default().max_hit_queue_tokens
-}
 
-#[derive(Deserialize)]
+/// The cost weights; absent ones keep [`Weights::default`]'s.
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct RawWeights {
-    #[serde(default = "w_gpu")]
-    gpu: f64,
-    #[serde(default = "w_cpu")]
-    cpu: f64,
-    #[serde(default = "w_disk")]
-    disk: f64,
-    #[serde(default = "w_one")]
-    overlap: f64,
-    #[serde(default = "w_one")]
-    request: f64,
-}
-
-impl Default for RawWeights {
-    fn default() -> Self {
-        let d = Weights::default();
-        RawWeights {
-            gpu: d.tiers[0],
-            cpu: d.tiers[1],
-            disk: d.tiers[2],
-            overlap: d.overlap,
-            request: d.request,
-        }
-    }
-}
-
-fn w_gpu() -> f64 {
-    Weights::default().tiers[0]
-}
-fn w_cpu() -> f64 {
-    Weights::default().tiers[1]
-}
-fn w_disk() -> f64 {
-    Weights::default().tiers[2]
-}
-fn w_one() -> f64 {
-    1.0
+    #[serde(default)]
+    gpu: Option<f64>,
+    #[serde(default)]
+    cpu: Option<f64>,
+    #[serde(default)]
+    disk: Option<f64>,
+    #[serde(default)]
+    overlap: Option<f64>,
+    #[serde(default)]
+    request: Option<f64>,
 }
 fn default_token_sources() -> RawSources {
     RawSources {
@@ -556,6 +506,34 @@ fn sources(path: &str, raw: RawSources, tokens: bool) -> Result<Sources, ConfigE
     })
 }
 
+/// The decision's knobs, spread over three sections of the filter's configuration, checked by
+/// the one [`PolicyConfig::validate`]; an error names the knob's path in this configuration.
+fn policy(raw: &RawConfig) -> Result<Policy, ConfigError> {
+    let (w, load, route) = (&raw.weights, &raw.load, &raw.route);
+    PolicyConfig {
+        gpu: w.gpu,
+        cpu: w.cpu,
+        disk: w.disk,
+        overlap: w.overlap,
+        request: w.request,
+        cold: route.cold,
+        max_waiting: load.max_waiting,
+        max_kv_usage: load.max_kv_usage,
+        max_hit_queue_tokens: route.max_hit_queue_tokens,
+        temperature: route.temperature,
+        replica_tie_band: route.replica_tie_band,
+    }
+    .validate()
+    .map_err(|e| {
+        let section = match e.knob {
+            "gpu" | "cpu" | "disk" | "overlap" | "request" => "weights",
+            "max_waiting" | "max_kv_usage" => "load",
+            _ => "route",
+        };
+        err(&format!("{section}.{}", e.knob), e.reason)
+    })
+}
+
 fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     if raw.collector.cluster.is_empty() {
         return Err(err("collector.cluster", "must not be empty"));
@@ -590,30 +568,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             return Err(err(k, format!("`{v}` is not a header name")));
         }
     }
-    let w = &raw.weights;
-    for (k, v) in [
-        ("gpu", w.gpu),
-        ("cpu", w.cpu),
-        ("disk", w.disk),
-        ("overlap", w.overlap),
-        ("request", w.request),
-    ] {
-        if !v.is_finite() || v < 0.0 {
-            return Err(err(&format!("weights.{k}"), "must be a finite number >= 0"));
-        }
-    }
-    if !(0.0..=1.0).contains(&raw.load.max_kv_usage) {
-        return Err(err("load.max_kv_usage", "must be between 0 and 1"));
-    }
-    if !(0.0..=10.0).contains(&raw.route.temperature) {
-        return Err(err("route.temperature", "must be between 0 and 10"));
-    }
-    if !(0.0..=MAX_REPLICA_TIE_BAND).contains(&raw.route.replica_tie_band) {
-        return Err(err(
-            "route.replica_tie_band",
-            "must be between 0 and 64 blocks of cost (0 turns replica affinity off)",
-        ));
-    }
+    let policy = policy(&raw)?;
     if raw.route.replica_spread_tokens.is_some() {
         log::warn!(
             "route.replica_spread_tokens is ignored: replica affinity is now a tie-break, route.replica_tie_band"
@@ -677,11 +632,6 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             body_fields.push((name.to_owned(), FieldKind::Uint));
         }
     }
-    let weights = Weights {
-        tiers: [w.gpu, w.cpu, w.disk],
-        overlap: w.overlap,
-        request: w.request,
-    };
     Ok(Config {
         cluster: raw.collector.cluster,
         authority: raw.collector.authority,
@@ -715,20 +665,8 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         default_decode_tokens: raw.load.default_decode_tokens,
         prefill_rate: raw.load.prefill_tokens_per_s,
         speculative_ttl: Duration::from_millis(raw.route.speculative_ttl_ms),
-        policy: Policy {
-            weights,
-            cold: match raw.route.cold {
-                RawCold::Decide => Cold::Decide,
-                RawCold::Defer => Cold::Defer,
-            },
-            max_waiting: raw.load.max_waiting,
-            max_kv_usage: raw.load.max_kv_usage as f32,
-            max_hit_queue_tokens: raw.route.max_hit_queue_tokens,
-            temperature: raw.route.temperature,
-            replica_tie_band: raw.route.replica_tie_band,
-            ..Policy::default()
-        },
-        weights,
+        weights: policy.weights,
+        policy,
         text,
         log_level,
         random_seed: raw.random_seed,
@@ -941,7 +879,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.gateway_id.as_deref(), Some("gw-1"));
         assert!(!c.fleet);
-        assert_eq!((c.policy.max_waiting, c.policy.max_kv_usage), (3, 0.5));
+        assert_eq!((c.policy.max_waiting, c.policy.max_kv_permille), (3, 500));
         assert_eq!(c.policy.cold, Cold::Defer);
         assert_eq!(c.policy.max_hit_queue_tokens, None);
         assert_eq!(c.policy.temperature, 0.2);

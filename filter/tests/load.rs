@@ -3,6 +3,7 @@
 
 use kvroute::event::WorkerId;
 use kvroute::feed::{EngineSample, Op};
+use kvroute::router::EngineLoad;
 use std::time::Duration;
 
 use serde_json::json;
@@ -146,9 +147,11 @@ fn released_load_is_not_counted_again_from_the_collectors_totals() {
 #[test]
 fn a_saturated_engine_gets_no_cold_request_and_stale_samples_are_ignored() {
     let full = EngineSample {
-        waiting: 9,
-        running: 4,
-        kv_permille: 500,
+        load: EngineLoad {
+            waiting: 9,
+            running: 4,
+            kv_permille: 500,
+        },
         age_ms: 100,
         stale: false,
     };
@@ -156,8 +159,11 @@ fn a_saturated_engine_gets_no_cold_request_and_stale_samples_are_ignored() {
         (full, true),
         (
             EngineSample {
-                waiting: 0,
-                kv_permille: 990,
+                load: EngineLoad {
+                    waiting: 0,
+                    kv_permille: 990,
+                    ..full.load
+                },
                 ..full
             },
             true,
@@ -178,8 +184,11 @@ fn a_saturated_engine_gets_no_cold_request_and_stale_samples_are_ignored() {
         ),
         (
             EngineSample {
-                waiting: 7,
-                kv_permille: 970,
+                load: EngineLoad {
+                    waiting: 7,
+                    kv_permille: 970,
+                    ..full.load
+                },
                 ..full
             },
             false,
@@ -206,9 +215,7 @@ fn leaked_books_are_cleared_after_two_idle_samples() {
     let (_held, on) = hold(&mut gw, 1000);
     let slot = if on == A { 0 } else { 1 };
     let idle = EngineSample {
-        waiting: 0,
-        running: 0,
-        kv_permille: 0,
+        load: EngineLoad::default(),
         age_ms: 0,
         stale: false,
     };

@@ -7,8 +7,10 @@ use std::collections::BTreeMap;
 
 use kvroute::api::QueryResponse;
 use kvroute::mirror::LoadId;
-use kvroute::router::{self as core, Cold, Contender, EngineLoad, InstanceLoad, Policy, Query};
-use kvroute::select::{SplitMix64, Weights};
+use kvroute::router::{
+    self as core, Contender, EngineLoad, InstanceLoad, Policy, PolicyConfig, Query,
+};
+use kvroute::select::SplitMix64;
 use serde::{Deserialize, Serialize};
 use wasm_bindgen::prelude::*;
 
@@ -28,7 +30,7 @@ pub struct RouteRequest {
     pub instances: Vec<InstanceSpec>,
     /// The policy; the filter's defaults for what is absent.
     #[serde(default)]
-    pub policy: PolicySpec,
+    pub policy: PolicyConfig,
     /// Seed of the exact-tie break; absent: a random one.
     pub seed: Option<u64>,
 }
@@ -125,10 +127,10 @@ impl LoadSpec {
             requests: self.requests,
             prefill_tokens: self.prefill_tokens,
             decode_tokens: self.decode_tokens,
-            engine: self.engine.as_ref().map(|e| EngineLoad {
-                waiting: e.waiting,
-                kv_usage: e.kv_usage,
-            }),
+            engine: self
+                .engine
+                .as_ref()
+                .map(|e| EngineLoad::from_gauges(e.waiting.into(), 0.0, e.kv_usage.into())),
         }
     }
 }
@@ -143,81 +145,10 @@ pub struct EngineSpec {
     pub kv_usage: f32,
 }
 
-/// The policy knobs of `kvroute::router::Policy`; absent ones keep the filter's defaults.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct PolicySpec {
-    /// Credit per matched block per tier.
-    pub gpu: Option<f64>,
-    /// CPU tier credit.
-    pub cpu: Option<f64>,
-    /// Disk tier credit.
-    pub disk: Option<f64>,
-    /// Weight of prefill blocks in the cost.
-    pub overlap: Option<f64>,
-    /// Blocks of cost per in-flight request.
-    pub request: Option<f64>,
-    /// `"decide"` (default) or `"defer"` for requests nobody holds a block of.
-    pub cold: Option<ColdSpec>,
-    /// Waiting queue at which an engine is saturated.
-    pub max_waiting: Option<u32>,
-    /// KV usage at which an engine is saturated.
-    pub max_kv_usage: Option<f32>,
-    /// Hot-spot guard in tokens; absent or null: unbounded.
-    pub max_hit_queue_tokens: Option<u64>,
-    /// Draws the winner among near-cheapest contenders; absent: 0 (the cheapest wins).
-    pub temperature: Option<f64>,
-}
-
-/// What to do with a request no instance holds a block of.
-#[derive(Debug, Deserialize, Clone, Copy)]
-#[serde(rename_all = "lowercase")]
-pub enum ColdSpec {
-    /// Route it to the instance with the least work ahead.
-    Decide,
-    /// No decision: the caller's own balancing picks.
-    Defer,
-}
-
-impl PolicySpec {
-    fn policy(&self) -> Result<Policy, String> {
-        let d = Policy::default();
-        let w = Weights::default();
-        let weights = Weights {
-            tiers: [
-                self.gpu.unwrap_or(w.tiers[0]),
-                self.cpu.unwrap_or(w.tiers[1]),
-                self.disk.unwrap_or(w.tiers[2]),
-            ],
-            overlap: self.overlap.unwrap_or(w.overlap),
-            request: self.request.unwrap_or(w.request),
-        };
-        let all = weights
-            .tiers
-            .iter()
-            .chain([&weights.overlap, &weights.request]);
-        if all.into_iter().any(|x| !x.is_finite() || *x < 0.0) {
-            return Err("policy: weights must be finite and not negative".into());
-        }
-        let temperature = self.temperature.unwrap_or(d.temperature);
-        if !(0.0..=10.0).contains(&temperature) {
-            return Err("policy: temperature must be between 0 and 10".into());
-        }
-        Ok(Policy {
-            weights,
-            cold: match self.cold {
-                None => d.cold,
-                Some(ColdSpec::Decide) => Cold::Decide,
-                Some(ColdSpec::Defer) => Cold::Defer,
-            },
-            max_waiting: self.max_waiting.unwrap_or(d.max_waiting),
-            max_kv_usage: self.max_kv_usage.unwrap_or(d.max_kv_usage),
-            max_hit_queue_tokens: self.max_hit_queue_tokens.or(d.max_hit_queue_tokens),
-            temperature,
-            // A browser or Node caller decides alone: no replica share.
-            ..d
-        })
-    }
+/// The filter's policy from the caller's knobs (the core checks them). A browser or Node
+/// caller decides alone: no replica share.
+fn policy(knobs: &PolicyConfig) -> Result<Policy, String> {
+    knobs.validate().map_err(|e| format!("policy.{e}"))
 }
 
 /// The decision: the instance to route to and the next best.
@@ -271,7 +202,7 @@ pub struct RemoteOptions {
     pub loads: BTreeMap<String, LoadSpec>,
     /// The policy; the filter's defaults for what is absent.
     #[serde(default)]
-    pub policy: PolicySpec,
+    pub policy: PolicyConfig,
     /// Seed of the exact-tie break; absent: a random one.
     pub seed: Option<u64>,
 }
@@ -301,7 +232,7 @@ pub fn decide_remote(
     opts: &RemoteOptions,
     seed: u64,
 ) -> Result<Option<RouteDecision>, String> {
-    let policy = opts.policy.policy()?;
+    let policy = policy(&opts.policy)?;
     // The core names loads by a hash of the instance id; the caller names them by the id.
     let loads: Vec<(LoadId, InstanceLoad)> = opts
         .loads
@@ -336,7 +267,7 @@ pub fn decide_remote(
 
 /// The decision without JS types: contenders built from the request, then the core decides.
 pub fn decide(req: &RouteRequest, seed: u64) -> Result<Option<RouteDecision>, String> {
-    let policy = req.policy.policy()?;
+    let policy = policy(&req.policy)?;
     if req.query.block_size == 0 {
         return Err("query.blockSize: must be at least 1".into());
     }
@@ -501,5 +432,10 @@ mod tests {
             r#"{"query":{"blocks":8,"blockSize":16},"instances":[{"id":"a","matched":[3,2,1]}]}"#,
         );
         assert!(decide(&r, 0).unwrap_err().contains("instances[0].matched"));
+        let r = req(
+            r#"{"query":{"blocks":8,"blockSize":16},"instances":[{"id":"a"}],"policy":{"replicaTieBand":65}}"#,
+        );
+        let e = decide(&r, 0).unwrap_err();
+        assert!(e.starts_with("policy.replica_tie_band:"), "{e}");
     }
 }

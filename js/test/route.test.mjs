@@ -99,7 +99,8 @@ for (const [name, kv] of builds) {
     assert.throws(() => kv.route({ query, instances: [{ id: 'a', matched: 1, ranks: [] }] }), /matched or ranks, not both/);
     assert.throws(() => kv.route({ query: { blocks: 1, blockSize: 0 }, instances: [] }), /blockSize: must be at least 1/);
     assert.throws(() => kv.route({ query, instances: [], policy: { cold: 'later' } }), /policy\.cold: unknown variant `later`/);
-    assert.throws(() => kv.route({ query, instances: [], policy: { gpu: -1 } }), /weights must be finite/);
+    assert.throws(() => kv.route({ query, instances: [], policy: { gpu: -1 } }), /policy\.gpu: must be a finite number/);
+    assert.throws(() => kv.route({ query, instances: [], policy: { maxKvUsage: 2 } }), /policy\.max_kv_usage: must be between 0 and 1/);
     assert.throws(() => kv.route({ query, instances: [], seed: 1n }), /route request: not a JSON value/);
     assert.throws(() => kv.route('{"query":'), /route request:/);
     assert.throws(() => kv.route(undefined), /route request: missing/);

@@ -7,7 +7,7 @@
 
 use crate::codec::{le_u16, le_u64};
 use crate::feed::{EngineSample, Op};
-use crate::router::load::{Counts, Replica};
+use crate::router::load::{Counts, EngineLoad, Replica};
 
 use super::keys::{Keys, LAYOUT_VERSION};
 use super::store::{update_value, Store, StoreError};
@@ -93,7 +93,7 @@ impl Fleet {
         let before = self.received_ms;
         for (w, f) in self.workers.iter_mut().zip(fresh) {
             let (total, engine) = f.unwrap_or_default();
-            let idle = engine.is_some_and(|e| !e.stale && e.running == 0 && e.waiting == 0);
+            let idle = engine.is_some_and(|e| !e.stale && e.load.idle());
             // Pages come faster than scrapes: only a sample taken after the last one counts.
             let taken = |e: &EngineSample, at: u64| at.saturating_sub(u64::from(e.age_ms));
             let new_sample = match (engine, w.engine) {
@@ -151,9 +151,9 @@ impl Fleet {
                 Some(e) if e.stale => 2,
                 Some(_) => 1,
             });
-            out.extend_from_slice(&e.waiting.to_le_bytes());
-            out.extend_from_slice(&e.running.to_le_bytes());
-            out.extend_from_slice(&e.kv_permille.to_le_bytes());
+            out.extend_from_slice(&e.load.waiting.to_le_bytes());
+            out.extend_from_slice(&e.load.running.to_le_bytes());
+            out.extend_from_slice(&e.load.kv_permille.to_le_bytes());
             out.extend_from_slice(&e.age_ms.to_le_bytes());
             out.push(w.idle_samples);
         }
@@ -184,9 +184,11 @@ impl Fleet {
                 let e = at + 48;
                 let flag = b.get(e).copied().unwrap_or(0);
                 let engine = (flag == 1 || flag == 2).then(|| EngineSample {
-                    waiting: u32_at(e + 1),
-                    running: u32_at(e + 5),
-                    kv_permille: le_u16(b, e + 9),
+                    load: EngineLoad {
+                        waiting: u32_at(e + 1),
+                        running: u32_at(e + 5),
+                        kv_permille: le_u16(b, e + 9),
+                    },
                     age_ms: u32_at(e + 11),
                     stale: flag == 2,
                 });

@@ -467,7 +467,10 @@ fn the_fleet_value_round_trips_and_takes_pages_as_the_whole_picture() {
         engine,
     };
     let idle = EngineSample {
-        kv_permille: 120,
+        load: crate::router::EngineLoad {
+            kv_permille: 120,
+            ..Default::default()
+        },
         age_ms: 40,
         ..EngineSample::default()
     };

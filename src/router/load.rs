@@ -4,8 +4,6 @@
 //! replica decides ([`Replica`]). Plain data: the mirror's shared-data tables convert into
 //! these, not the reverse.
 
-use crate::feed::EngineSample;
-
 /// Load counts of one worker: what a gateway books, reports and reads back from the fleet.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counts {
@@ -71,23 +69,7 @@ pub fn fleet_view(total: Counts, reported: Counts, current: Counts) -> Counts {
     }
 }
 
-/// What an engine reports about itself, when the caller has it.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct EngineLoad {
-    /// Requests waiting in the engine's queue.
-    pub waiting: u32,
-    /// Share of the engine's KV cache in use, 0.0 to 1.0.
-    pub kv_usage: f32,
-}
-
-impl From<EngineSample> for EngineLoad {
-    fn from(e: EngineSample) -> EngineLoad {
-        EngineLoad {
-            waiting: e.waiting,
-            kv_usage: f32::from(e.kv_permille.min(1000)) / 1000.0,
-        }
-    }
-}
+pub use crate::engine::EngineLoad;
 
 /// The load one instance carries, summed over its dp ranks.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -124,11 +106,7 @@ impl InstanceLoad {
 
     /// Folds in one worker's engine report: the busiest rank speaks for the instance.
     pub fn add_engine(&mut self, e: EngineLoad) {
-        let cur = self.engine.unwrap_or_default();
-        self.engine = Some(EngineLoad {
-            waiting: cur.waiting.max(e.waiting),
-            kv_usage: cur.kv_usage.max(e.kv_usage),
-        });
+        self.engine = Some(self.engine.unwrap_or_default().busiest(e));
     }
 }
 
@@ -176,11 +154,13 @@ mod tests {
         });
         l.add_engine(EngineLoad {
             waiting: 3,
-            kv_usage: 0.2,
+            running: 1,
+            kv_permille: 200,
         });
         l.add_engine(EngineLoad {
             waiting: 1,
-            kv_usage: 0.9,
+            running: 4,
+            kv_permille: 900,
         });
         assert_eq!(
             (l.requests, l.prefill_tokens, l.decode_tokens),
@@ -191,7 +171,8 @@ mod tests {
             l.engine,
             Some(EngineLoad {
                 waiting: 3,
-                kv_usage: 0.9
+                running: 4,
+                kv_permille: 900
             })
         );
     }

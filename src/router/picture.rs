@@ -3,7 +3,7 @@
 //! Read through the [`Store`] trait, so the filter (host calls) and native callers
 //! ([`MemStore`](crate::mirror::MemStore)) see the same picture.
 
-use super::load::{fleet_view, Counts, EngineLoad, InstanceLoad, Replica};
+use super::load::{fleet_view, Counts, InstanceLoad, Replica};
 use super::policy::Policy;
 use crate::mirror::{self, Fleet, Keys, LoadId, Store};
 
@@ -94,7 +94,7 @@ impl Picture {
             .engine
             .filter(|e| !e.stale && u64::from(e.age_ms) + since <= self.cfg.fresh_ms)
         {
-            l.engine = Some(EngineLoad::from(e));
+            l.engine = Some(e.load);
         }
         l
     }
