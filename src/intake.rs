@@ -342,8 +342,13 @@ pub enum Found {
     },
 }
 
-/// Scans a JSON object body once, filling `found[i]` for `fields[i]` (its first occurrence)
-/// and appending token arrays to `tokens` (cleared first).
+/// Scans a JSON object body once, filling `found[i]` for `fields[i]` and appending token
+/// arrays to `tokens` (cleared first).
+///
+/// A key is compared after unescaping (`"pro\u006dpt"` is `prompt`), and a key given twice
+/// takes its last value, as the JSON parsers of the engines (Python's `json`, serde_json)
+/// read it: routing must see the prompt the engine will prefill. Every occurrence is still
+/// checked, so a bad token array anywhere in a routed field refuses the body.
 ///
 /// # Errors
 /// [`IntakeError`] for malformed JSON, a non-object body, a bad token, or more than
@@ -380,16 +385,19 @@ pub fn scan_json<S: AsRef<str>>(
     } else {
         loop {
             p.ws();
-            let (ks, ke, _) = p.string()?;
+            let (ks, ke, key_escaped) = p.string()?;
             p.ws();
             p.expect(b':')?;
             p.ws();
-            let key = &body[ks..ke];
+            let raw_key = &body[ks..ke];
+            // Escaped keys are rare: unescaped only when they have a backslash at all.
+            let unescaped = if key_escaped { unescape(raw_key) } else { None };
+            let key = unescaped.as_ref().map_or(raw_key, |k| k.as_bytes());
             let slot = fields
                 .iter()
                 .position(|(name, _)| name.as_ref().as_bytes() == key);
             match slot {
-                Some(fi) if found.get(fi) == Some(&Found::Absent) => {
+                Some(fi) if fi < found.len() => {
                     let value = match fields[fi].1 {
                         FieldKind::Tokens => p.token_array(tokens, max_tokens)?,
                         FieldKind::TokensOrText if p.peek() == Some(b'"') => {
@@ -595,9 +603,14 @@ impl Scanner<'_> {
         if self.peek() == Some(b'-') {
             self.i += 1;
         }
+        let int_start = self.i;
         let digits = self.digits();
         if digits == 0 {
             return Err(IntakeError::Json(start));
+        }
+        // JSON forbids leading zeros; the engines' parsers refuse such a body, so must we.
+        if digits > 1 && self.b[int_start] == b'0' {
+            return Err(IntakeError::Json(int_start));
         }
         if self.peek() == Some(b'.') {
             self.i += 1;
@@ -992,6 +1005,12 @@ mod tests {
     fn bad_bodies_are_errors() {
         assert_eq!(scan("").err(), Some(IntakeError::Empty));
         assert_eq!(scan("[1,2]").err(), Some(IntakeError::NotObject));
+        // A leading zero in a value skipped over (found by the serde property test).
+        assert_eq!(
+            scan(r#"{"x":[01],"prompt":[1]}"#).err(),
+            Some(IntakeError::Json(6))
+        );
+        assert!(scan(r#"{"x":[0, -0, 0.5, 10],"prompt":[1]}"#).is_ok());
         assert!(matches!(
             scan(r#"{"prompt":[1,2"#),
             Err(IntakeError::Json(_))
