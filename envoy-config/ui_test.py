@@ -127,6 +127,13 @@ class UiStack(K.Stack):
             raise RuntimeError(f"/query: {r.status} {r.body[:200]!r}")
         return r.json()
 
+    def explain(self, tokens: list[int]) -> dict:
+        body = {"token_ids": tokens, "model_name": self.cfg.model}
+        r = K.http("POST", self.collector_url + "/v1/explain", body, headers=auth(), timeout=5)
+        if r.status != 200:
+            raise RuntimeError(f"/v1/explain: {r.status} {r.body[:200]!r}")
+        return r.json()
+
     def workers(self) -> list[dict]:
         r = K.http("GET", self.collector_url + "/workers", headers=auth(), timeout=5)
         check(r.status == 200, f"/workers: {r.status}")
@@ -195,6 +202,13 @@ class Page:
         return {b.get_attribute("data-instance"): int(b.get_attribute("data-matched"))
                 for b in self.page.locator("#probe-bars .probe-bar").all()}
 
+    def explained(self) -> tuple[str | None, list[str]]:
+        """The last probe's explain box: the winner it names and the instances it lists."""
+        verdict = self.page.locator("#explain-verdict")
+        rows = [r.get_attribute("data-instance")
+                for r in self.page.locator("#probe-explain tbody tr").all()]
+        return verdict.get_attribute("data-winner"), rows
+
 
 def expected_rows(stack: UiStack) -> dict[tuple[str, int], int]:
     return {(w["instance_id"], w["dp_rank"]): w["blocks"] for w in stack.workers()}
@@ -245,6 +259,16 @@ def test_probe(page: Page, stack: UiStack, prompts: dict[str, list[int]]) -> Non
         got = page.probe(", ".join(map(str, tokens)))
         check(got == want, f"probe of {name} (token ids): bars {got} vs /query {want}")
         check(max(want.values()) > 0, f"{name}: nothing cached, the check would be empty")
+        # The explain box shows /v1/explain's decision: the holder of the longest prefix wins
+        # on this idle fleet, and every instance of the model is listed.
+        winner, rows = page.explained()
+        why = stack.explain(tokens)
+        check(winner == why["winner"]["instance_id"],
+              f"explain box of {name}: winner {winner} vs /v1/explain {why['winner']}")
+        check(rows == [i["instance_id"] for i in why["instances"]],
+              f"explain box of {name}: rows {rows} vs /v1/explain")
+        check(want.get(winner, 0) == max(want.values()),
+              f"{name}: /v1/explain picked {winner}, not a longest holder {want}")
     tokens = prompts["a"]
     body = json.dumps({"model": stack.cfg.model, "prompt": tokens, "max_tokens": 1})
     got = page.probe(body)
@@ -253,7 +277,7 @@ def test_probe(page: Page, stack: UiStack, prompts: dict[str, list[int]]) -> Non
 
 
 def test_read_only(page: Page) -> None:
-    allowed_posts = {"/query", "/query_by_hash"}
+    allowed_posts = {"/query", "/query_by_hash", "/v1/explain"}
     for method, url in page.requests:
         path = "/" + url.split("/", 3)[-1].split("?")[0]
         if method == "GET":

@@ -5,7 +5,7 @@
 //! bytes and parsed here, so malformed JSON, wrong types, oversized bodies and bad query
 //! strings all get the same JSON shape. Admin endpoints (`/register`, `/unregister`) require
 //! `Authorization: Bearer <admin token>` and read endpoints (`/query*`, `/tokenize`, `/workers`,
-//! `/v1/feed`, `/v1/load`, `/v1/fleet/overview`) the read token, when the collector has one.
+//! `/v1/feed`, `/v1/load`, `/v1/explain`, `/v1/fleet/overview`) the read token, when the collector has one.
 //! `/health`, `/metrics` and the fleet page's static files (`/ui/`) are open.
 
 use std::time::{Duration, Instant};
@@ -19,19 +19,18 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
 use kvroute::feed::{LOAD_EXCLUDES_HEADER, REPLICA_HEADER};
-use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
 use crate::alarm::{Alarm, EngineObservation};
 use crate::edge;
 use crate::fleet::GatewayId;
-use crate::hub::{HubError, Registered};
+use crate::hub::Registered;
 use crate::metrics::{AlarmLabels, EndpointLabels, FeedLabels};
+use crate::reply::json;
+pub use crate::reply::ApiError;
 use crate::shared::AppState;
-use crate::text::{TextQueryRequest, TokenizeError, TokenizeRequest, TokenizeResponse};
-use kvroute::api::{
-    ErrorBody, QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest,
-};
+use crate::text::{TextQueryRequest, TokenizeRequest, TokenizeResponse};
+use kvroute::api::{QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest};
 
 /// Longest a request may take before it is answered 408 (a feed snapshot of millions of blocks
 /// is the slowest thing the API does).
@@ -40,64 +39,13 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Content type of `/v1/feed` pages.
 pub const FEED_CONTENT_TYPE: &str = "application/x-kvroute-feed";
 
-/// An error answer: a status and a message for `{"error": ...}`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ApiError {
-    pub status: StatusCode,
-    pub message: String,
-}
-
-impl ApiError {
-    pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
-        ApiError {
-            status,
-            message: message.into(),
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        (
-            self.status,
-            Json(ErrorBody {
-                error: self.message,
-            }),
-        )
-            .into_response()
-    }
-}
-
-impl From<HubError> for ApiError {
-    fn from(e: HubError) -> ApiError {
-        let status = match &e {
-            HubError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            HubError::Conflict(_) => StatusCode::CONFLICT,
-            HubError::NotFound(_) => StatusCode::NOT_FOUND,
-            HubError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-        };
-        ApiError::new(status, e.to_string())
-    }
-}
-
-impl From<TokenizeError> for ApiError {
-    fn from(e: TokenizeError) -> ApiError {
-        let status = match &e {
-            TokenizeError::NoTokenizer(_) => StatusCode::NOT_FOUND,
-            TokenizeError::Text(t) if t.is_too_large() => StatusCode::PAYLOAD_TOO_LARGE,
-            TokenizeError::Text(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            TokenizeError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            TokenizeError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        ApiError::new(status, e.to_string())
-    }
-}
-
 /// Builds the router over a collector state.
 pub fn app(state: AppState) -> Router {
     let limits = edge::RequestLimits {
         max_body_bytes: state.config.max_body_bytes,
         body_read_timeout: state.config.body_read_timeout,
+        body_stall_timeout: state.config.body_stall_timeout,
+        min_body_bytes_per_sec: state.config.min_body_bytes_per_sec,
         request_timeout: REQUEST_TIMEOUT,
     };
     let admin = Router::new()
@@ -109,6 +57,7 @@ pub fn app(state: AppState) -> Router {
         .route("/query", post(query))
         .route("/query_by_hash", post(query_by_hash))
         .route("/tokenize", post(tokenize))
+        .route("/v1/explain", post(crate::explain::explain))
         .route("/v1/feed", get(feed))
         .route(
             "/v1/load",
@@ -188,30 +137,6 @@ async fn require_read(State(state): State<AppState>, req: Request, next: Next) -
         .into_response(),
         _ => next.run(req).await,
     }
-}
-
-/// Parses a JSON body, naming what is wrong with it.
-fn json<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let body = body.map_err(|rej| {
-        let status = rej.status();
-        if status == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(status, "request body is too large")
-        } else {
-            ApiError::new(
-                status,
-                format!("cannot read the request body: {}", rej.body_text()),
-            )
-        }
-    })?;
-    serde_json::from_slice(&body).map_err(|e| {
-        use serde_json::error::Category;
-        let what = match e.classify() {
-            Category::Syntax | Category::Eof => "malformed JSON",
-            Category::Data => "invalid request",
-            Category::Io => "cannot read the request body",
-        };
-        ApiError::new(StatusCode::BAD_REQUEST, format!("{what}: {e}"))
-    })
 }
 
 async fn register(
@@ -452,9 +377,7 @@ fn with_fleet_load(state: &AppState, page: Bytes, reader: Option<&GatewayId>) ->
             prefill_tokens: t.load.prefill_tokens,
             decode_tokens: t.load.decode_tokens,
             engine: t.engine.map(|e| kvroute::feed::EngineSample {
-                waiting: e.sample.waiting.min(u32::MAX.into()) as u32,
-                running: e.sample.running.min(u32::MAX.into()) as u32,
-                kv_permille: (e.sample.kv_usage.clamp(0.0, 1.0) * 1000.0).round() as u16,
+                load: e.sample.load,
                 age_ms: e.age.as_millis().min(u32::MAX.into()) as u32,
                 stale: e.stale,
             }),

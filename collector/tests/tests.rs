@@ -20,3 +20,5 @@ mod fleet_scrape;
 mod alarm;
 // Text requests: /tokenize and /query with prompt or messages, on the real Qwen3 tokenizer.
 mod text;
+// /v1/explain: the decision laid out, hand-worked, and its bad input.
+mod explain;

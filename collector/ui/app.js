@@ -1,7 +1,7 @@
 // The fleet page. Plain ES module, no framework, no build step: it is embedded in the
 // collector as is. Every data fetch carries the read token typed into the page (kept in
-// sessionStorage, so it leaves with the tab); only GETs and the read-only POST /query and
-// /query_by_hash are ever sent. Data is written with textContent, never parsed as HTML:
+// sessionStorage, so it leaves with the tab); only GETs and the read-only POST /query,
+// /query_by_hash and /v1/explain are ever sent. Data is written with textContent, never parsed as HTML:
 // instance names and models come from registrations.
 
 const TOKEN_KEY = "kvroute.readToken";
@@ -94,6 +94,7 @@ function clearData() {
   $("engines").tBodies[0].replaceChildren();
   $("gateways").replaceChildren();
   $("probe-bars").replaceChildren();
+  $("probe-explain").replaceChildren();
   $("probe-model").replaceChildren();
   $("probe-status").textContent = "";
   for (const id of ["chart-blocks", "chart-events", "legend"]) $(id).replaceChildren();
@@ -447,6 +448,7 @@ function probeStatus(msg, cls) {
 async function runProbe(ev) {
   ev.preventDefault();
   $("probe-bars").replaceChildren();
+  $("probe-explain").replaceChildren();
   probeStatus("Probing…");
   const raw = $("probe-input").value.trim();
   if (!raw) return probeStatus("Paste token ids or a JSON body first.", "bad");
@@ -483,8 +485,10 @@ async function runProbe(ev) {
       JSON.stringify(scope).slice(1);
     const byIds = JSON.stringify({ token_ids: Array.from(tokens), ...scope });
     const post = (path, body) => api(path, { method: "POST", body, headers: { "content-type": "application/json" } });
-    const [hashed, direct] = await Promise.all([post("query_by_hash", byHash), post("query", byIds)]);
+    const [hashed, direct, why] = await Promise.all([
+      post("query_by_hash", byHash), post("query", byIds), post("v1/explain", byIds)]);
     drawBars(hashed, tenant, model);
+    drawExplain(why);
     const disagree = [];
     const names = new Set([...Object.keys(hashed.instances), ...Object.keys(direct.instances)]);
     for (const n of names) {
@@ -509,6 +513,47 @@ async function runProbe(ev) {
     }
     probeStatus(`Probe failed: ${e.message || e}`, "bad");
   }
+}
+
+/** The decision `/v1/explain` lays out: who would win, at what cost, and every instance's
+ * terms, as the filter's router code computed them on the fleet load the collector holds. */
+function drawExplain(why) {
+  const cap = document.createElement("p");
+  cap.id = "explain-verdict";
+  const cost = (c) => (c === null || c === undefined ? "–" : c.toFixed(2));
+  if (why.winner) {
+    cap.dataset.winner = why.winner.instance_id;
+    cap.textContent = `Routes to ${why.winner.instance_id} (cost ${cost(why.winner.cost)} blocks of work ahead)` +
+      (why.runner_up ? `; runner-up ${why.runner_up.instance_id} (${cost(why.runner_up.cost)}).` : ".");
+  } else {
+    cap.textContent = why.verdict === "deferred"
+      ? "Nobody holds a block and the policy defers: Envoy's own balancing picks."
+      : "No instance serves this model.";
+  }
+  const table = document.createElement("table");
+  table.className = "explain";
+  const head = table.createTHead().insertRow();
+  for (const h of ["instance", "matched (GPU / any)", "in flight (req / prefill)", "engine (wait / KV)", "competes", "cost"]) {
+    const th = document.createElement("th");
+    th.textContent = h;
+    head.append(th);
+  }
+  const body = table.createTBody();
+  for (const i of why.instances) {
+    const tr = body.insertRow();
+    tr.dataset.instance = i.instance_id;
+    const e = i.engine;
+    const cells = [
+      i.instance_id,
+      `${num(i.matched_tokens[0])} / ${num(i.matched_tokens[2])}`,
+      `${num(i.requests)} / ${num(i.prefill_tokens)}`,
+      e ? `${e.waiting} / ${Math.round(e.kv_usage * 100)}%${e.stale ? " (stale)" : ""}` : "–",
+      i.competes ? "yes" : (i.saturated ? "no: saturated" : "no"),
+      cost(i.cost),
+    ];
+    for (const c of cells) tr.insertCell().textContent = c;
+  }
+  $("probe-explain").replaceChildren(cap, table);
 }
 
 function drawBars(res, tenant, model) {

@@ -30,6 +30,14 @@ fn routes_to_the_longest_prefix_from_the_body_prompt() {
     );
     assert_eq!(count(&gw, "routed"), 1);
     assert!(debug(&o).contains("matched_tokens=64"), "{}", debug(&o));
+    // Hand-worked: 4 query blocks, a holds all 4 (cost 0), b holds 2 (2 left to prefill).
+    assert!(
+        debug(&o).contains(&format!(
+            "winner=a; cost=0.00; runner_up={B}; runner_up_cost=2.00"
+        )),
+        "{}",
+        debug(&o)
+    );
     assert_eq!(
         o.header("x-data-parallel-rank"),
         None,

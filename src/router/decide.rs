@@ -63,7 +63,7 @@ pub enum RankRule {
 }
 
 /// The decision: indices into the contender slice.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Decision {
     /// The instance to route to.
     pub best: usize,
@@ -75,6 +75,11 @@ pub struct Decision {
     pub matched_blocks: u32,
     /// Prefill tokens queued on `best` as decided on (0: its prefill was idle).
     pub queued_prefill_tokens: u64,
+    /// `best`'s cost, in blocks of prefill work (the hot-spot guard applied), for explaining
+    /// the decision.
+    pub cost: f64,
+    /// The runner-up's cost, the margin the winner won by.
+    pub runner_up_cost: Option<f64>,
 }
 
 /// Ranks the eligible contenders under `policy`: the cheapest (seeded random among exact
@@ -91,25 +96,9 @@ pub fn decide(
     if policy.cold == Cold::Defer && !eligible().any(|(_, c)| hit(c)) {
         return None;
     }
-    // Saturated instances without a hit sit out while someone else can take the request.
-    let any_free = eligible().any(|(_, c)| !policy.saturated(&c.load));
-    let competes = |c: &Contender| !(any_free && policy.saturated(&c.load) && !hit(c));
-    let least_queue = eligible()
-        .filter(|(_, c)| competes(c))
-        .map(|(_, c)| c.load.prefill_tokens)
-        .min()?;
-    let cost = |c: &Contender| {
-        let over_guard = policy
-            .max_hit_queue_tokens
-            .is_some_and(|m| c.load.prefill_tokens - least_queue > m);
-        let cand = Candidate {
-            matched: if over_guard { [0; 3] } else { c.matched },
-            dp_rank: c.dp_rank,
-            in_flight_requests: c.load.requests,
-            in_flight_prefill_tokens: c.load.prefill_tokens,
-        };
-        select::cost(&cand, query.blocks, query.block_size, &policy.weights)
-    };
+    let scoring = Scoring::new(contenders, policy)?;
+    let competes = |c: &Contender| scoring.competes(c);
+    let cost = |c: &Contender| scoring.cost(c, query);
     // (whether this replica's share prefers it, contender index i, cost). Affinity splits
     // only instances holding nothing of the prompt: engines tied on a hit stay a random pick,
     // so a prefix cached on two engines is not pinned to one gateway's share.
@@ -137,7 +126,72 @@ pub fn decide(
         dp_rank: c.dp_rank,
         matched_blocks: c.matched[2],
         queued_prefill_tokens: c.load.prefill_tokens,
+        cost: cost(c),
+        runner_up_cost: runner_up.and_then(|i| contenders.get(i)).map(cost),
     })
+}
+
+/// What [`decide`] charges each contender, in contender order: `None` for one that does not
+/// compete (not eligible, or saturated without a hit while an unsaturated one is eligible),
+/// else its cost with the hot-spot guard applied. For explaining a decision.
+pub fn costs(contenders: &[Contender], query: Query, policy: &Policy) -> Vec<Option<f64>> {
+    let scoring = Scoring::new(contenders, policy);
+    contenders
+        .iter()
+        .map(|c| {
+            let s = scoring.as_ref()?;
+            s.competes(c).then(|| s.cost(c, query))
+        })
+        .collect()
+}
+
+/// The rules that decide who competes and at what cost, computed once per decision.
+struct Scoring<'p> {
+    policy: &'p Policy,
+    /// Whether some eligible contender is not saturated.
+    any_free: bool,
+    /// The least queued prefill among the competing: the hot-spot guard's reference.
+    least_queue: u64,
+}
+
+impl<'p> Scoring<'p> {
+    /// `None` when no contender competes.
+    fn new(contenders: &[Contender], policy: &'p Policy) -> Option<Scoring<'p>> {
+        let mut s = Scoring {
+            policy,
+            any_free: contenders
+                .iter()
+                .any(|c| c.eligible && !policy.saturated(&c.load)),
+            least_queue: 0,
+        };
+        s.least_queue = contenders
+            .iter()
+            .filter(|c| s.competes(c))
+            .map(|c| c.load.prefill_tokens)
+            .min()?;
+        Some(s)
+    }
+
+    /// Saturated instances without a hit sit out while someone else can take the request.
+    fn competes(&self, c: &Contender) -> bool {
+        let hit = c.matched[2] > 0;
+        c.eligible && !(self.any_free && self.policy.saturated(&c.load) && !hit)
+    }
+
+    /// The cost of a competing contender.
+    fn cost(&self, c: &Contender, query: Query) -> f64 {
+        let over_guard = self
+            .policy
+            .max_hit_queue_tokens
+            .is_some_and(|m| c.load.prefill_tokens.saturating_sub(self.least_queue) > m);
+        let cand = Candidate {
+            matched: if over_guard { [0; 3] } else { c.matched },
+            dp_rank: c.dp_rank,
+            in_flight_requests: c.load.requests,
+            in_flight_prefill_tokens: c.load.prefill_tokens,
+        };
+        select::cost(&cand, query.blocks, query.block_size, &self.policy.weights)
+    }
 }
 
 /// The rank `rule` picks from `(dp_rank, matched tokens)` pairs; 0 when there are none.
@@ -197,6 +251,24 @@ mod tests {
         // 10 of 16 blocks cached: cost 6 against 16 for the idle instance.
         let d = pick(&[idle(0), idle(10)]).unwrap();
         assert_eq!((d.best, d.runner_up, d.matched_blocks), (1, Some(0), 10));
+        assert_eq!(
+            (d.cost, d.runner_up_cost),
+            (6.0, Some(16.0)),
+            "the costs explained"
+        );
+    }
+
+    #[test]
+    fn costs_are_what_the_decision_charged_and_none_for_who_sits_out() {
+        let mut off = idle(16);
+        off.eligible = false;
+        let cs = [loaded(10, 4, 1000), idle(0), engine(idle(0), 9, 100), off];
+        let d = pick(&cs).unwrap();
+        let c = costs(&cs, Q, &Policy::default());
+        assert_eq!(c, vec![Some(72.5), Some(16.0), None, None]);
+        assert_eq!(Some(d.cost), c[d.best]);
+        assert_eq!(d.runner_up_cost, d.runner_up.and_then(|i| c[i]));
+        assert_eq!(costs(&[off], Q, &Policy::default()), vec![None]);
     }
 
     #[test]
@@ -204,6 +276,7 @@ mod tests {
         // Hit: 6 uncached blocks + 1,000/16 = 62.5 queued + 4 requests = 72.5; miss: 16.
         let d = pick(&[loaded(10, 4, 1000), idle(0)]).unwrap();
         assert_eq!(d.best, 1);
+        assert_eq!((d.cost, d.runner_up_cost), (16.0, Some(72.5)));
         // A small queue does not: 6 + 32/16 + 1 = 9 < 16.
         let d = pick(&[loaded(10, 1, 32), idle(0)]).unwrap();
         assert_eq!(d.best, 0);
@@ -277,8 +350,12 @@ mod tests {
         decide(cs, Q, p, &mut SplitMix64(1))
     }
 
-    fn engine(mut c: Contender, waiting: u32, kv_usage: f32) -> Contender {
-        c.load.engine = Some(EngineLoad { waiting, kv_usage });
+    fn engine(mut c: Contender, waiting: u32, kv_permille: u16) -> Contender {
+        c.load.engine = Some(EngineLoad {
+            waiting,
+            kv_permille,
+            ..EngineLoad::default()
+        });
         c
     }
 
@@ -406,23 +483,23 @@ mod tests {
     fn saturated_engines_get_no_cold_request() {
         let p = Policy::default();
         // The idle one has a waiting queue of 8: the busier one takes the cold request.
-        let cs = [engine(idle(0), 8, 0.1), loaded(0, 3, 640)];
+        let cs = [engine(idle(0), 8, 100), loaded(0, 3, 640)];
         assert_eq!(pick(&cs).unwrap().best, 1);
         // KV usage at the limit saturates too; just below does not.
-        let cs = [engine(idle(0), 0, 0.98), loaded(0, 3, 640)];
+        let cs = [engine(idle(0), 0, 980), loaded(0, 3, 640)];
         assert_eq!(pick(&cs).unwrap().best, 1);
-        let cs = [engine(idle(0), 7, 0.97), loaded(0, 3, 640)];
+        let cs = [engine(idle(0), 7, 970), loaded(0, 3, 640)];
         assert_eq!(pick(&cs).unwrap().best, 0);
         // Everyone saturated: the cost decides among them.
-        let cs = [engine(idle(0), 9, 0.1), engine(loaded(0, 3, 640), 9, 0.1)];
+        let cs = [engine(idle(0), 9, 100), engine(loaded(0, 3, 640), 9, 100)];
         assert_eq!(pick(&cs).unwrap().best, 0);
         // A saturated engine holding a hit still competes.
-        let cs = [engine(idle(12), 9, 0.1), loaded(0, 0, 0)];
+        let cs = [engine(idle(12), 9, 100), loaded(0, 0, 0)];
         assert!(p.saturated(&cs[0].load));
         assert_eq!(pick(&cs).unwrap().best, 0);
         // The saturated one is not the runner-up either.
         let cs = [
-            engine(idle(0), 8, 0.1),
+            engine(idle(0), 8, 100),
             loaded(0, 3, 640),
             loaded(0, 4, 640),
         ];
@@ -476,7 +553,7 @@ mod tests {
                 .prop_map(|(m, requests, prefill, eligible, waiting, kv)| {
                     let mut c = loaded(m, requests, prefill);
                     c.eligible = eligible;
-                    engine(c, waiting, kv as f32 / 100.0)
+                    engine(c, waiting, (kv * 10) as u16)
                 })
         }
 

@@ -9,7 +9,7 @@
 //! | `picture` | the load of one decision read once from shared data ([`Picture`]) |
 //! | `matches` | where matches come from, in one form: [`answer_on_roster`], [`remote_contenders`], [`hold`] |
 //! | `roster` | live workers grouped by instance ([`Roster`]) and local contenders |
-//! | `policy` | the knobs ([`Policy`], [`Cold`]) |
+//! | `policy` | the knobs ([`Policy`], [`Cold`]) and their configuration ([`PolicyConfig`]) |
 //! | `decide` | contenders → [`Decision`] ([`decide`]) |
 //! | `book` | the booking of a routed request and its releases ([`Books`]) |
 //!
@@ -40,7 +40,7 @@
 //!   every request. [`Cold::Defer`] keeps the old behaviour: no decision, the gateway's own
 //!   balancing picks.
 //! - **Saturation** ([`Policy::saturated`]): an instance whose engine reports a waiting queue of
-//!   `max_waiting` or more, or KV usage of `max_kv_usage` or more, competes only with a cache
+//!   `max_waiting` or more, or KV usage of `max_kv_permille` or more, competes only with a cache
 //!   hit for this request while an unsaturated eligible instance exists. Without a hit it
 //!   would only add to a queue the engine already cannot drain.
 //! - **Hot-spot guard** ([`Policy::max_hit_queue_tokens`]): a hit buys at most that much queue.
@@ -74,14 +74,17 @@ mod policy;
 mod roster;
 
 pub use book::{BookError, Booked, Books};
-pub use decide::{decide, rank_by, Contender, Decision, Query, RankRule};
+pub use decide::{costs, decide, rank_by, Contender, Decision, Query, RankRule};
 pub use load::{fleet_view, Counts, EngineLoad, InstanceLoad, Replica};
 pub use matches::{
     answer_on_roster, hold, remember, remote_contenders, speculative, SpecRead,
     SPECULATIVE_ENTRIES, SPECULATIVE_SHARDS,
 };
 pub use picture::{Picture, PictureConfig};
-pub use policy::{Cold, Policy, REPLICA_TIE_BAND};
+pub use policy::{
+    Cold, Policy, PolicyConfig, PolicyError, MAX_REPLICA_TIE_BAND, MAX_TEMPERATURE,
+    REPLICA_TIE_BAND,
+};
 pub use roster::{Instance, Roster, Slot};
 
 use crate::api::QueryResponse;
@@ -233,6 +236,16 @@ fn target(field: Field<'_>, d: &Decision) -> Option<Target> {
         dp_rank: multi.then_some(d.dp_rank),
         load_id,
     })
+}
+
+/// A routed request's decision in short, as the filter's debug header carries it: who won at
+/// what cost (blocks of prefill work ahead, the hot-spot guard applied) and the runner-up's.
+pub fn summary(decision: &Decision, target: &Target) -> String {
+    let mut s = format!("winner={}; cost={:.2}", target.instance, decision.cost);
+    if let (Some(r), Some(c)) = (&target.runner_up, decision.runner_up_cost) {
+        s.push_str(&format!("; runner_up={r}; runner_up_cost={c:.2}"));
+    }
+    s
 }
 
 impl Target {
