@@ -22,6 +22,12 @@ Added latency = kvroute − envoy at the same percentile. The rounds are interle
 (direct, envoy, kvroute, vllm-router, repeated) and the median over rounds is reported, to
 spread the noise of a shared 2-core machine over all targets alike.
 
+--timing turns on the filter's per-phase timing (VM configuration `{"timing": true}`) and
+reports, per size, the mean of each `kvroute.timing.<phase>_ns` histogram over the kvroute
+runs (Envoy's exact `_sum / _count`), i.e. where the filter's time goes inside Envoy's V8.
+`kvroute.cas_mismatches` (shared-data writes refused for a stale CAS token, each a retry) is
+reported per kvroute request either way, to see whether contention grows with --concurrency.
+
 Writes the table and the exact commands to envoy-config/BENCH.md (or --out) and JSON to
 bench-out/latency.json. Everything on loopback; every process stopped at the end.
 """
@@ -152,6 +158,8 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=16, help="throughput connections")
     ap.add_argument("--concurrency", type=int, default=2, help="Envoy worker threads")
     ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
+    ap.add_argument("--timing", action="store_true",
+                    help="per-phase timing histograms in the filter (VM configuration)")
     ap.add_argument("--out", default=str(K.HERE / "BENCH.md"))
     ap.add_argument("--json", default=str(K.REPO / "bench-out" / "latency.json"))
     args = ap.parse_args()
@@ -164,8 +172,9 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     zero_cost = ["--prefill-tokens-per-s", "1e12", "--prefill-overhead-ms", "0",
                  "--decode-ms-per-token", "0"]
+    values = {"KVROUTE_VM_CONFIG": '{"timing": true}'} if args.timing else {}
     stack = K.Stack(K.StackConfig(engines=args.engines, engine_args=zero_cost,
-                                  envoy_concurrency=args.concurrency))
+                                  envoy_concurrency=args.concurrency, envoy_values=values))
     lua = stack.workdir / "bench.lua"
     lua.write_text(WRK_LUA)
     results: dict = {"sizes": {}, "meta": {}}
@@ -201,11 +210,22 @@ def main() -> int:
             # CPU seconds do not grow when other work shares the cores, wall time does).
             proxy_pid = {"direct": None, "envoy": stack.envoy.pid, "kvroute": stack.envoy.pid,
                          "vllm-router": router.pid if router else None}
+            filter_before = filter_stats(stack)
+            kv_requests = 0
+            seq_delta: dict[str, float] = {}
             for rnd in range(args.rounds):
                 for name, url in targets.items():
                     # warm-up connection pools and caches, not measured
-                    wrk(wrk_bin, url, 1, 1, "1s", bdir, args.prompts, lua)
+                    warm = wrk(wrk_bin, url, 1, 1, "1s", bdir, args.prompts, lua)
+                    s0 = filter_stats(stack) if name == "kvroute" else {}
                     lat = wrk(wrk_bin, url, 1, 1, args.duration, bdir, args.prompts, lua)
+                    if name == "kvroute":
+                        # Phase times from the sequential run only: with the cores
+                        # saturated (the throughput run) a phase's wall time includes the
+                        # time the worker thread was descheduled.
+                        s1 = filter_stats(stack)
+                        for k, v in s1.items():
+                            seq_delta[k] = seq_delta.get(k, 0.0) + v - s0.get(k, 0.0)
                     c0 = cpu_seconds(proxy_pid.get(name))
                     tput = wrk(wrk_bin, url, 2, args.connections, args.duration, bdir,
                                args.prompts, lua)
@@ -215,6 +235,8 @@ def main() -> int:
                         tput["requests"] else None)
                     runs[name]["lat"].append(lat)
                     runs[name]["tput"].append(tput)
+                    if name == "kvroute":
+                        kv_requests += warm["requests"] + lat["requests"] + tput["requests"]
                     K.log(f"{size} tokens, round {rnd + 1}, {name}: p50 {lat['p50_us']} µs "
                           f"p99 {lat['p99_us']} µs, {tput['rps']:.0f} req/s "
                           f"(errors {lat['errors'] + tput['errors']}, non-2xx "
@@ -234,7 +256,10 @@ def main() -> int:
                         else None),
                     "rounds": r,
                 }
-            results["sizes"][size] = {"body_bytes": body_bytes, "targets": summary}
+            filter_after = filter_stats(stack)
+            results["sizes"][size] = {"body_bytes": body_bytes, "targets": summary,
+                                      "filter": filter_delta(filter_before, filter_after,
+                                                             kv_requests, seq_delta)}
         # kvroute really routed: its filter's destination header appears in the access log.
         routed = sum(1 for e in stack.access_log_entries()
                      if e.get("listener") == "kvroute" and e.get("dest"))
@@ -257,6 +282,44 @@ def main() -> int:
     write_markdown(results, Path(args.out), args)
     print(Path(args.out).read_text())
     return 0
+
+
+def filter_stats(stack: K.Stack) -> dict[str, float]:
+    """The filter's timing histograms (`<phase>` -> [sum ns, count]) and CAS mismatches, from
+    Envoy's Prometheus page (exact sums and counts; names lose the `wasmcustom.` prefix)."""
+    r = K.http("GET", stack.admin_url + "/stats/prometheus", timeout=10)
+    out: dict[str, float] = {}
+    for line in r.body.decode(errors="replace").splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{", 1)[0]
+        at = name.find("kvroute_")
+        if at < 0:
+            continue
+        name = name[at:]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            pass
+    return out
+
+
+def filter_delta(before: dict[str, float], after: dict[str, float], requests: int,
+                 seq: dict[str, float]) -> dict:
+    """Per phase: mean ns over the samples of this size's sequential kvroute runs (`seq`);
+    CAS mismatches per request over all of this size's kvroute runs."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    phases = {}
+    for k, v in seq.items():
+        if k.startswith("kvroute_timing_") and k.endswith("_ns_sum"):
+            phase = k[len("kvroute_timing_"):-len("_ns_sum")]
+            n = seq.get(k[:-len("_sum")] + "_count", 0.0)
+            if n:
+                phases[phase] = {"mean_ns": round(v / n), "samples": int(n)}
+    cas = d.get("kvroute_cas_mismatches", 0.0)
+    return {"timing": phases, "cas_mismatches": int(cas), "kvroute_requests": requests,
+            "cas_mismatches_per_1k_requests": round(1000 * cas / requests, 3) if requests else None}
 
 
 def write_markdown(results: dict, out: Path, args) -> None:
@@ -304,6 +367,27 @@ def write_markdown(results: dict, out: Path, args) -> None:
             dcpu = f"{ck - ce:+.0f}" if ck is not None and ce is not None else "-"
             lines.append(f"| {size} | {a50:+.0f} | {a99:+.0f} | {100 * ratio:.1f} % | {dcpu} "
                          f"| {tgt} |")
+    order = ["header_intake", "body_intake", "hash", "lookup", "decision", "books",
+             "header_set", "release"]
+    if args.timing:
+        lines += ["", "Filter phases inside Envoy (timing mode; mean µs per request that reached "
+                  "the phase, `kvroute.timing.<phase>_ns` sum / count over this size's "
+                  "sequential kvroute runs (`wrk -t1 -c1`); the clock reads are included):", "",
+                  "| tokens | " + " | ".join(order) + " | sum |",
+                  "|---|" + "---|" * (len(order) + 1)]
+        for size, s in results["sizes"].items():
+            t = s["filter"]["timing"]
+            vals = [t.get(p, {}).get("mean_ns") for p in order]
+            cells = ["-" if v is None else f"{v / 1000:.1f}" for v in vals]
+            total = sum(v for v in vals if v is not None) / 1000
+            lines.append(f"| {size} | " + " | ".join(cells) + f" | {total:.1f} |")
+    lines += ["", f"Shared-data CAS mismatches (`kvroute.cas_mismatches`, {args.concurrency} "
+              "Envoy workers):", "", "| tokens | kvroute requests | CAS mismatches | per 1k requests |",
+              "|---|---|---|---|"]
+    for size, s in results["sizes"].items():
+        f = s["filter"]
+        lines.append(f"| {size} | {f['kvroute_requests']} | {f['cas_mismatches']} | "
+                     f"{f['cas_mismatches_per_1k_requests']} |")
     if any("vllm-router" in s["targets"] for s in results["sizes"].values()):
         lines += ["", "Standalone KV-aware router in front of the same engines, same method "
                   "(added against the direct engine; kvroute's added figure here is kvroute "

@@ -97,13 +97,18 @@ pub fn log(level: LogLevel, message: &str) {
 
 /// The host clock in milliseconds (0 if the host fails).
 pub fn now_ms() -> u64 {
+    now_ns() / 1_000_000
+}
+
+/// The host clock in nanoseconds (0 if the host fails).
+pub fn now_ns() -> u64 {
     let mut t: u64 = 0;
     unsafe {
         if proxy_get_current_time_nanoseconds(&mut t) != OK {
             return 0;
         }
     }
-    t / 1_000_000
+    t
 }
 
 pub fn set_tick_period(period: Duration) -> bool {
@@ -204,6 +209,19 @@ pub fn http_call(
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HostStore;
 
+thread_local! {
+    /// The counter of shared-data writes refused for a stale CAS token
+    /// (`kvroute.cas_mismatches`), set once the VM defined it. Every writer retries or gives
+    /// up on a mismatch, so this counts the retries of all of them: the figure that says
+    /// whether contention on the shared values grows with Envoy's worker threads.
+    static CAS_MISMATCHES: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes [`HostStore`] count CAS mismatches into the metric `id`.
+pub fn count_cas_mismatches(id: Option<u32>) {
+    CAS_MISMATCHES.with(|c| c.set(id));
+}
+
 impl Store for HostStore {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
         let mut ptr = null_mut();
@@ -222,7 +240,10 @@ impl Store for HostStore {
         unsafe {
             match proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas) {
                 OK => Ok(()),
-                CAS_MISMATCH => Err(StoreError::CasMismatch),
+                CAS_MISMATCH => {
+                    increment_metric(CAS_MISMATCHES.with(|c| c.get()), 1);
+                    Err(StoreError::CasMismatch)
+                }
                 s => Err(StoreError::Host(s)),
             }
         }

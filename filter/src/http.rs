@@ -20,6 +20,7 @@ use crate::config::{millis, Config, Mode, Source, Sources, DECODE_FIELDS};
 use crate::host::{self, HostStore};
 use crate::outcome::Outcome;
 use crate::text_config::{MESSAGES_FIELD, PROMPT_FIELD};
+use crate::timing::{Phase as Timed, Stopwatch};
 use crate::vm::{Scratch, VmRef};
 
 /// Most tokens taken from one header or metadata value.
@@ -147,6 +148,11 @@ pub(crate) struct Http {
     text: Option<TextScope>,
     text_hashes: Vec<kvroute::approx::TextHash>,
     text_path: Option<TextPath>,
+    /// The decision in short for the debug header (winner, its cost, the runner-up and its
+    /// cost), kept only when the header is configured.
+    explained: Option<String>,
+    /// Per-phase times of this request (timing mode only, `crate::timing`).
+    clock: Stopwatch,
 }
 
 impl Http {
@@ -191,12 +197,15 @@ impl Http {
             text: None,
             text_hashes: Vec::new(),
             text_path: None,
+            explained: None,
+            clock: Stopwatch::default(),
         }
     }
 
     fn finish(&mut self, vm: &VmRef, outcome: Outcome) {
         self.phase = Phase::Done;
         self.outcome = Some(outcome);
+        vm.timing.flush(&mut self.clock);
         vm.metrics.count(outcome);
         log::debug!("kvroute[{}]: {}", self.id, outcome.as_str());
     }
@@ -429,6 +438,15 @@ impl Http {
             std::mem::take(seqs),
         );
         let query_blocks = view.blocks();
+        // Timing mode hashes the whole prompt here, so that hashing and the bisection are
+        // timed apart (the state and meta reads above count as lookup).
+        vm.timing.lap(&mut self.clock, Timed::Lookup);
+        if vm.timing.on() {
+            if let Some(last) = query_blocks.checked_sub(1) {
+                let _ = view.key_at(mirror::Depth(last as u32));
+            }
+            vm.timing.lap(&mut self.clock, Timed::Hash);
+        }
         depth_keys(query_blocks, depths);
         let mut stats = WalkStats::default();
         let mut matches = if query_blocks == 0 {
@@ -442,6 +460,7 @@ impl Http {
         } else {
             None
         };
+        vm.timing.lap(&mut self.clock, Timed::Lookup);
         let picture = books::picture(vm, cfg, now);
         let query = router::Query {
             blocks: query_blocks as u32,
@@ -458,11 +477,13 @@ impl Http {
             Err(_) => Verdict::NoMatch,
         };
         drop(cache);
+        vm.timing.lap(&mut self.clock, Timed::Decision);
         if let (true, Verdict::Route { target, .. }) = (spec, &verdict) {
             if let Some(slot) = target.slot() {
                 books::remember(vm, cfg, &view, spec_read, query_blocks as u32, slot, now);
             }
         }
+        vm.timing.lap(&mut self.clock, Timed::Books);
         let reads = view.reads();
         *seqs = view.into_seqs();
         self.reads = reads + 2;
@@ -487,6 +508,9 @@ impl Http {
             Verdict::NoMatch => return self.finish(vm, Outcome::NoMatch),
         };
         self.engine_idle = decision.queued_prefill_tokens == 0;
+        if cfg.debug_header.is_some() {
+            self.explained = Some(router::summary(&decision, &target));
+        }
         let matched_blocks = decision.matched_blocks;
         let best = target.address.as_str();
         let value = match &target.runner_up {
@@ -507,6 +531,7 @@ impl Http {
         }
         #[cfg(feature = "higress")]
         host::set_upstream_override_host(best);
+        vm.timing.lap(&mut self.clock, Timed::HeaderSet);
         let matched =
             (matched_blocks as u64 * block_size as u64).min(self.query_tokens as u64) as u32;
         self.matched_tokens = matched;
@@ -524,6 +549,7 @@ impl Http {
             decode,
             self.engine_idle,
         );
+        vm.timing.lap(&mut self.clock, Timed::Books);
         if self.query_tokens > 0 {
             host::record_metric(
                 vm.metrics.matched_ratio_pct,
@@ -563,6 +589,7 @@ impl Context for Http {
         }
         self.callout = None;
         if let Some((vm, cfg)) = self.config() {
+            vm.timing.restart(&mut self.clock);
             if self.text.is_some() {
                 self.on_text_answer(&vm, &cfg, num_headers, body_size);
             } else {
@@ -581,6 +608,7 @@ impl HttpContext for Http {
             host::remove_header(MapType::HttpRequestHeaders, DEFAULT_DESTINATION_HEADER);
             return Action::Continue;
         };
+        self.clock = vm.timing.start();
         let cfg = crate::rules::select_config(&vm);
         self.cfg = Some(cfg.clone());
         // Never let a client choose the upstream, routed or not.
@@ -596,7 +624,9 @@ impl HttpContext for Http {
         let Ok(mut scratch) = vm.scratch.try_borrow_mut() else {
             return Action::Continue;
         };
-        match self.resolve(None, &cfg, &mut scratch) {
+        let resolved = self.resolve(None, &cfg, &mut scratch);
+        vm.timing.lap(&mut self.clock, Timed::HeaderIntake);
+        match resolved {
             Err(o) => {
                 self.finish(&vm, o);
                 Action::Continue
@@ -673,6 +703,10 @@ impl HttpContext for Http {
                     v.push_str("; text=");
                     v.push_str(p.as_str());
                 }
+                if let Some(e) = &self.explained {
+                    v.push_str("; ");
+                    v.push_str(e);
+                }
                 host::set_header(MapType::HttpResponseHeaders, name, v.as_bytes());
             }
         }
@@ -682,8 +716,10 @@ impl HttpContext for Http {
     fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
         // The first response bytes mean the prefill is done (the first token is out).
         if let Some((vm, cfg)) = self.config() {
-            if let Some(b) = self.routed.as_mut() {
+            if let Some(b) = self.routed.as_mut().filter(|b| b.prefill_open) {
+                vm.timing.restart(&mut self.clock);
                 books::release_prefill(&vm, &cfg, b);
+                vm.timing.lap(&mut self.clock, Timed::Release);
             }
         }
         Action::Continue
@@ -691,13 +727,18 @@ impl HttpContext for Http {
 
     fn on_log(&mut self) {
         if let (Some(b), Some((vm, cfg))) = (self.routed.take(), self.config()) {
+            vm.timing.restart(&mut self.clock);
             books::release(&vm, &cfg, b);
+            vm.timing.lap(&mut self.clock, Timed::Release);
+            vm.timing.flush(&mut self.clock);
         }
     }
 }
 
 impl Http {
     fn body_end(&mut self, vm: &VmRef, cfg: &Rc<Config>, size: usize) -> Action {
+        // The time since the headers was spent waiting for the body, not running.
+        vm.timing.restart(&mut self.clock);
         let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
         let Ok(mut scratch) = vm.scratch.try_borrow_mut() else {
             return Action::Continue;
@@ -738,6 +779,7 @@ impl Http {
                 Err(Outcome::BadBody)
             }
         };
+        vm.timing.lap(&mut self.clock, Timed::BodyIntake);
         let action = match result {
             Err(o) => {
                 self.finish(vm, o);

@@ -55,6 +55,8 @@ mod root;
 mod rules;
 mod text_config;
 #[cfg(target_arch = "wasm32")]
+mod timing;
+#[cfg(target_arch = "wasm32")]
 mod vm;
 
 pub use config::{domain_matches, parse, parse_plugin, Config, ConfigError, Mode, Plugin, Source};

@@ -30,6 +30,8 @@ pub(crate) struct Root {
     /// Whether the last feed page's load totals left this gateway's own report out (a
     /// collector that honours `gateway=`): own reports are then not subtracted again.
     totals_exclude_own: bool,
+    /// Per-phase timing, from the VM configuration (`crate::timing`).
+    timing: bool,
 }
 
 impl Root {
@@ -42,6 +44,7 @@ impl Root {
             ticks: Cell::new(0),
             last_error_log_ms: 0,
             totals_exclude_own: false,
+            timing: false,
         }
     }
 
@@ -217,6 +220,21 @@ impl Context for Root {
 }
 
 impl RootContext for Root {
+    fn on_vm_start(&mut self, vm_configuration_size: usize) -> bool {
+        let raw = host::get_buffer(BufferType::VmConfiguration, 0, vm_configuration_size)
+            .unwrap_or_default();
+        match crate::timing::parse_vm_config(&raw) {
+            Ok(on) => {
+                self.timing = on;
+                true
+            }
+            Err(e) => {
+                host::log(proxy_wasm::types::LogLevel::Error, &e);
+                false
+            }
+        }
+    }
+
     fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
         let raw = host::get_buffer(
             BufferType::PluginConfiguration,
@@ -262,6 +280,7 @@ impl RootContext for Root {
             scratch: RefCell::new(Scratch::default()),
             no_tokenizer: RefCell::new(NoTokenizer::default()),
             text_table,
+            timing: crate::timing::Timing::define(self.timing),
         }));
         if mode == Mode::Local && !host::set_tick_period(interval) {
             log::warn!("kvroute: cannot set the tick period");

@@ -29,6 +29,8 @@ pub(crate) struct Metrics {
     pub load_reports: Option<u32>,
     pub load_report_errors: Option<u32>,
     pub leaks_repaired: Option<u32>,
+    /// Shared-data writes refused for a stale CAS token (each one a retry or a lost write).
+    pub cas_mismatches: Option<u32>,
     pub text: TextMetrics,
 }
 
@@ -71,6 +73,7 @@ impl Metrics {
             load_reports: c("kvroute.load_reports"),
             load_report_errors: c("kvroute.load_report_errors"),
             leaks_repaired: c("kvroute.leaks_repaired"),
+            cas_mismatches: c("kvroute.cas_mismatches"),
             text: TextMetrics {
                 exact: c("kvroute.text.exact"),
                 approx: c("kvroute.text.approx"),
@@ -85,6 +88,7 @@ impl Metrics {
         for (i, o) in Outcome::ALL.iter().enumerate() {
             m.requests[i] = c(&format!("kvroute.requests.{}", o.as_str()));
         }
+        host::count_cas_mismatches(m.cas_mismatches);
         m
     }
 
@@ -179,6 +183,8 @@ pub(crate) struct Vm {
     pub no_tokenizer: RefCell<NoTokenizer>,
     /// Where text prefixes were sent (approximate mode), in shared data under `keys`.
     pub text_table: kvroute::approx::TextTable,
+    /// Per-phase timing histograms (off unless the VM configuration turns them on).
+    pub timing: crate::timing::Timing,
 }
 
 impl Vm {

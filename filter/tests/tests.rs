@@ -22,3 +22,5 @@ mod scopes;
 mod sync;
 /// Text requests: exact through the collector's `/query`, approximate from recorded prefixes.
 mod text;
+/// Timing mode (per-phase histograms, off by default) and the CAS mismatch counter.
+mod timing;

@@ -1,0 +1,173 @@
+//! Per-phase timing of the request path, measured inside the real host (Envoy's V8, Higress,
+//! the test host), off by default.
+//!
+//! Why inside the host: the host bench runs the filter in wasmtime, whose code generation,
+//! host calls and shared-data map differ from Envoy's V8; `make bench-latency` sees only
+//! Envoy's whole process. With timing on, each phase of a request reads the host clock
+//! (`proxy_get_current_time_nanoseconds`) at its end and records the time since the previous
+//! mark into a histogram metric `kvroute.timing.<phase>_ns` (nanoseconds, so a sub-µs phase is
+//! not rounded to 0; Envoy keeps the exact sum and count: `_sum / _count` is the mean).
+//!
+//! Turned on by the VM configuration (`vm_config.configuration`, `{"timing": true}`), not the
+//! plugin configuration: it is a property of the measurement run, for every plugin and route
+//! the VM serves, and it must cost nothing when off (no clock read, no metric defined).
+//!
+//! In timing mode the whole prompt is hashed before the lookup, so hashing and the lookup are
+//! two phases; without it the lookup hashes lazily, only as deep as it looks. A fully matched
+//! prompt (the benches') does the same work either way.
+
+use proxy_wasm::types::MetricType;
+
+use crate::host;
+
+/// A timed phase of one request (its value is its index in [`Phase::ALL`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Phase {
+    /// Request headers: the header and metadata sources read, the body asked for.
+    HeaderIntake,
+    /// The body fetched from the host and scanned for its fields, token ids parsed.
+    BodyIntake,
+    /// Sequence hashes of the prompt's full blocks.
+    Hash,
+    /// The sync state, the meta cache, the bisection over the buckets and the speculative
+    /// holders.
+    Lookup,
+    /// The load picture read and the decision (`router::route`).
+    Decision,
+    /// The speculative entry written and the request booked.
+    Books,
+    /// The destination (and dp-rank) headers set.
+    HeaderSet,
+    /// The two releases of the books (first response bytes, end of the request).
+    Release,
+}
+
+impl Phase {
+    /// Every phase, in metric-id order.
+    pub const ALL: [Phase; 8] = [
+        Phase::HeaderIntake,
+        Phase::BodyIntake,
+        Phase::Hash,
+        Phase::Lookup,
+        Phase::Decision,
+        Phase::Books,
+        Phase::HeaderSet,
+        Phase::Release,
+    ];
+
+    /// The histogram's name.
+    pub fn metric(self) -> &'static str {
+        match self {
+            Phase::HeaderIntake => "kvroute.timing.header_intake_ns",
+            Phase::BodyIntake => "kvroute.timing.body_intake_ns",
+            Phase::Hash => "kvroute.timing.hash_ns",
+            Phase::Lookup => "kvroute.timing.lookup_ns",
+            Phase::Decision => "kvroute.timing.decision_ns",
+            Phase::Books => "kvroute.timing.books_ns",
+            Phase::HeaderSet => "kvroute.timing.header_set_ns",
+            Phase::Release => "kvroute.timing.release_ns",
+        }
+    }
+}
+
+/// The VM configuration's keys.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VmConfig {
+    #[serde(default)]
+    timing: bool,
+}
+
+/// Whether the VM configuration turns timing on. Empty (Envoy's default) is off; anything
+/// but a JSON object of known keys is an error naming what is wrong.
+pub(crate) fn parse_vm_config(raw: &[u8]) -> Result<bool, String> {
+    if raw.iter().all(u8::is_ascii_whitespace) {
+        return Ok(false);
+    }
+    serde_json::from_slice::<VmConfig>(raw)
+        .map(|c| c.timing)
+        .map_err(|e| format!("invalid kvroute VM configuration: {e}"))
+}
+
+/// The histograms of one VM; every id is `None` when timing is off.
+#[derive(Debug, Default)]
+pub(crate) struct Timing {
+    ids: [Option<u32>; Phase::ALL.len()],
+    on: bool,
+}
+
+impl Timing {
+    /// Defines the histograms when `on`; off defines nothing.
+    pub fn define(on: bool) -> Timing {
+        let mut t = Timing {
+            on,
+            ..Timing::default()
+        };
+        if on {
+            for (i, p) in Phase::ALL.iter().enumerate() {
+                t.ids[i] = host::define_metric(MetricType::Histogram, p.metric());
+            }
+        }
+        t
+    }
+
+    /// A stopwatch started now (a no-op one when timing is off).
+    pub fn start(&self) -> Stopwatch {
+        let mut w = Stopwatch::default();
+        self.restart(&mut w);
+        w
+    }
+
+    /// Marks now without charging the time since the last mark to any phase: the request
+    /// waited (for its body, a callout), it did not run.
+    pub fn restart(&self, watch: &mut Stopwatch) {
+        if self.on {
+            watch.last = host::now_ns();
+        }
+    }
+
+    /// Whether timing is on.
+    pub fn on(&self) -> bool {
+        self.on
+    }
+
+    /// Charges the time since `watch`'s last mark to `phase`, and marks now.
+    pub fn lap(&self, watch: &mut Stopwatch, phase: Phase) {
+        if !self.on {
+            return;
+        }
+        let now = host::now_ns();
+        let i = phase as usize;
+        // The host clock is the wall clock: a step back charges 0, never a huge value.
+        if let Some(a) = watch.acc.get_mut(i) {
+            *a = a.saturating_add(now.saturating_sub(watch.last));
+        }
+        watch.touched |= 1 << i;
+        watch.last = now;
+    }
+
+    /// Records each phase `watch` charged since the last flush, one sample each: a phase
+    /// reached in two pieces (the lookup before and after hashing) is one sample, so every
+    /// histogram's count is the number of requests that went through that phase.
+    pub fn flush(&self, watch: &mut Stopwatch) {
+        if !self.on {
+            return;
+        }
+        for (i, id) in self.ids.iter().enumerate() {
+            if watch.touched & (1 << i) != 0 {
+                host::record_metric(*id, watch.acc.get(i).copied().unwrap_or(0));
+            }
+        }
+        watch.touched = 0;
+        watch.acc = [0; Phase::ALL.len()];
+    }
+}
+
+/// A request's phase times so far (ns) and its last mark; all zero when timing is off.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Stopwatch {
+    last: u64,
+    acc: [u64; Phase::ALL.len()],
+    touched: u16,
+}
