@@ -84,15 +84,24 @@ pub struct Cli {
     /// Most HTTP requests served at once [default: 1024].
     #[arg(long, value_name = "N")]
     pub max_concurrent_requests: Option<usize>,
-    /// Most HTTP connections open at once; more are answered 503 and closed at once [default: 512].
+    /// Most HTTP connections open at once; when all are taken the oldest one waiting on its client is shed, and with none to shed a newcomer gets 503 [default: the descriptor limit (raised to the hard limit at start) less max(half of it, 1024), at most 16384; a larger value is cut to that budget].
     #[arg(long, value_name = "N")]
     pub max_connections: Option<usize>,
+    /// Of --max-connections, slots only connections answered 2xx on /v1/feed, /query* or /v1/load may hold; newcomers never shed them [default: an eighth of the cap].
+    #[arg(long, value_name = "N")]
+    pub reserved_connections: Option<usize>,
     /// How long a client may take to send a request's headers, seconds [default: 10].
     #[arg(long, value_name = "SECS")]
     pub header_read_timeout_secs: Option<f64>,
     /// How long a client may take to send a request's body, seconds; then 408 [default: 10].
     #[arg(long, value_name = "SECS")]
     pub body_read_timeout_secs: Option<f64>,
+    /// Longest gap between a request body's bytes, seconds; then 408 [default: 1].
+    #[arg(long, value_name = "SECS")]
+    pub body_stall_timeout_secs: Option<f64>,
+    /// Slowest request body taken after its first second, bytes per second; a slower one gets 408; 0: no rate rule [default: 32768].
+    #[arg(long, value_name = "BYTES")]
+    pub min_body_bytes_per_sec: Option<u64>,
     /// On SIGTERM, how long in-flight requests may run before they are cut and the final snapshot is written, seconds [default: 10].
     #[arg(long, value_name = "SECS")]
     pub shutdown_timeout_secs: Option<f64>,
@@ -182,8 +191,11 @@ pub struct FileConfig {
     pub snapshot_interval_secs: Option<f64>,
     pub max_concurrent_requests: Option<usize>,
     pub max_connections: Option<usize>,
+    pub reserved_connections: Option<usize>,
     pub header_read_timeout_secs: Option<f64>,
     pub body_read_timeout_secs: Option<f64>,
+    pub body_stall_timeout_secs: Option<f64>,
+    pub min_body_bytes_per_sec: Option<u64>,
     pub shutdown_timeout_secs: Option<f64>,
     pub max_zmq_message_bytes: Option<usize>,
     #[serde(default)]
@@ -241,10 +253,18 @@ pub struct Config {
     pub replay_timeout: Duration,
     pub snapshot_interval: Duration,
     pub max_concurrent_requests: usize,
-    /// Open HTTP connections at most; the excess is refused with 503.
-    pub max_connections: usize,
+    /// Open HTTP connections at most (see `server::connection_cap`); `None`: derived from the
+    /// descriptor limit when serving.
+    pub max_connections: Option<usize>,
+    /// Of the cap, slots kept for proven gateway connections; `None`: an eighth of the cap.
+    pub reserved_connections: Option<usize>,
     pub header_read_timeout: Duration,
+    /// The whole request body within this.
     pub body_read_timeout: Duration,
+    /// Longest gap between a request body's bytes.
+    pub body_stall_timeout: Duration,
+    /// Slowest request body past its first second, bytes per second; 0: no rate rule.
+    pub min_body_bytes_per_sec: u64,
     /// Bound on graceful shutdown before the final snapshot.
     pub shutdown_timeout: Duration,
     /// `ZMQ_MAXMSGSIZE` of every socket towards an engine.
@@ -292,10 +312,13 @@ impl Default for Config {
             replay_timeout: Duration::from_secs(5),
             snapshot_interval: Duration::from_secs(30),
             max_concurrent_requests: 1024,
-            // Below the usual soft limit of 1024 descriptors, leaving room for engine sockets.
-            max_connections: 512,
+            // From the descriptor limit when serving (server::connection_cap).
+            max_connections: None,
+            reserved_connections: None,
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(10),
+            body_stall_timeout: crate::edge::DEFAULT_BODY_STALL_TIMEOUT,
+            min_body_bytes_per_sec: crate::edge::DEFAULT_MIN_BODY_BYTES_PER_SEC,
             shutdown_timeout: Duration::from_secs(10),
             // A real engine batch is a few KiB; vLLM's largest is far under this.
             max_zmq_message_bytes: 8 << 20,
@@ -487,11 +510,11 @@ impl Cli {
                     .or(file.max_concurrent_requests),
                 d.max_concurrent_requests,
             )?,
-            max_connections: positive(
-                "max-connections",
-                self.max_connections.or(file.max_connections),
-                d.max_connections,
-            )?,
+            max_connections: match self.max_connections.or(file.max_connections) {
+                None => None,
+                n => Some(positive("max-connections", n, 1)?),
+            },
+            reserved_connections: self.reserved_connections.or(file.reserved_connections),
             header_read_timeout: positive_secs(
                 "header-read-timeout-secs",
                 self.header_read_timeout_secs
@@ -503,6 +526,16 @@ impl Cli {
                 self.body_read_timeout_secs.or(file.body_read_timeout_secs),
                 d.body_read_timeout,
             )?,
+            body_stall_timeout: positive_secs(
+                "body-stall-timeout-secs",
+                self.body_stall_timeout_secs
+                    .or(file.body_stall_timeout_secs),
+                d.body_stall_timeout,
+            )?,
+            min_body_bytes_per_sec: self
+                .min_body_bytes_per_sec
+                .or(file.min_body_bytes_per_sec)
+                .unwrap_or(d.min_body_bytes_per_sec),
             shutdown_timeout: positive_secs(
                 "shutdown-timeout-secs",
                 self.shutdown_timeout_secs.or(file.shutdown_timeout_secs),

@@ -33,6 +33,7 @@ pub mod chunk;
 pub mod config;
 pub mod decode;
 pub mod edge;
+pub mod explain;
 pub mod fastjson;
 pub mod feedlog;
 pub mod fleet;
@@ -40,6 +41,7 @@ pub mod fleet_api;
 pub mod hub;
 pub mod metrics;
 pub mod msgpack;
+pub mod reply;
 pub mod scrape;
 pub mod server;
 pub mod shared;
@@ -110,6 +112,41 @@ pub async fn run(
     serve(listener, shared, shutdown).await
 }
 
+/// The accept loop's limits: the connection cap from `--max-connections` and the descriptor
+/// limit in force (main raises it to the hard limit first), logged once.
+fn server_limits(config: &Config) -> server::ServerLimits {
+    let soft_fds = server::fd_soft_limit().unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "cannot read the descriptor limit; assuming 1024");
+        1024
+    });
+    let (max_connections, source) = server::connection_cap(config.max_connections, soft_fds);
+    if let server::CapSource::Clamped { asked } = source {
+        tracing::warn!(
+            asked,
+            max_connections,
+            soft_fds,
+            "--max-connections is more than the descriptor limit leaves for connections; cut"
+        );
+    }
+    let reserved_connections = config
+        .reserved_connections
+        .unwrap_or_else(|| server::default_reserved(max_connections))
+        .min(max_connections.saturating_sub(1));
+    info!(
+        max_connections,
+        reserved_connections,
+        soft_fds,
+        derived = source == server::CapSource::Derived,
+        "connection cap"
+    );
+    server::ServerLimits {
+        max_connections,
+        reserved_connections,
+        header_read_timeout: config.header_read_timeout,
+        shutdown_timeout: config.shutdown_timeout,
+    }
+}
+
 /// Serves an already started collector (see [`start`]) until `shutdown` resolves.
 ///
 /// # Errors
@@ -144,13 +181,22 @@ pub async fn serve(
         },
     ));
     info!(addr = %listener.local_addr()?, "serving");
-    let limits = server::ServerLimits {
-        max_connections: shared.config.max_connections,
-        header_read_timeout: shared.config.header_read_timeout,
-        shutdown_timeout: shared.config.shutdown_timeout,
+    let limits = server_limits(&shared.config);
+    let as_gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+    shared
+        .metrics
+        .http_max_connections
+        .set(as_gauge(limits.max_connections));
+    shared
+        .metrics
+        .http_reserved_connections
+        .set(as_gauge(limits.reserved_connections));
+    let counters = server::ServerCounters {
+        refused: shared.metrics.http_connections_refused.clone(),
+        shed: shared.metrics.http_connections_shed.clone(),
     };
-    let refused = shared.metrics.http_connections_refused.clone();
-    let result = server::serve_http(listener, app(shared.clone()), limits, refused, shutdown).await;
+    let result =
+        server::serve_http(listener, app(shared.clone()), limits, counters, shutdown).await;
     if let Some(task) = snapshots {
         task.abort();
     }

@@ -15,6 +15,13 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let config = Cli::parse().into_config()?;
+    // Before anything opens descriptors; the connection cap is derived from the result.
+    match kvroute_collector::server::raise_fd_limit() {
+        Ok(fd) => {
+            tracing::info!(soft = fd.soft, hard = fd.hard, raised_from = ?fd.raised_from, "descriptor limit")
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot raise the descriptor limit"),
+    }
     if !config.listen.ip().is_loopback() {
         if config.admin_token.is_none() {
             // Only reachable with --insecure-no-auth (into_config refuses otherwise).

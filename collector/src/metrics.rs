@@ -124,6 +124,12 @@ pub struct Metrics {
     pub zmq_protocol_errors: Family<WorkerLabels, Counter>,
     /// HTTP connections refused at the `--max-connections` cap.
     pub http_connections_refused: Counter,
+    /// HTTP connections waiting on their client closed to make room for a newcomer.
+    pub http_connections_shed: Counter,
+    /// The connection cap in force (`--max-connections` or derived from descriptors).
+    pub http_max_connections: Gauge,
+    /// Of the cap, slots kept for proven gateway connections.
+    pub http_reserved_connections: Gauge,
     /// Things an engine's events would have created past a cap, by reason.
     pub limited: Family<ReasonLabels, Counter>,
     /// Served names (aliases) known.
@@ -223,6 +229,9 @@ impl Metrics {
             feed_bytes: Counter::default(),
             zmq_protocol_errors: Family::default(),
             http_connections_refused: Counter::default(),
+            http_connections_shed: Counter::default(),
+            http_max_connections: Gauge::default(),
+            http_reserved_connections: Gauge::default(),
             limited: Family::default(),
             aliases: Gauge::default(),
             pending_pages: Gauge::default(),
@@ -337,6 +346,21 @@ impl Metrics {
             "http_connections_refused",
             "HTTP connections refused at the connection cap",
             m.http_connections_refused.clone(),
+        );
+        registry.register(
+            "http_connections_shed",
+            "HTTP connections waiting on their client (a head, a body, an idle keep-alive) closed at the connection cap to make room for a newcomer",
+            m.http_connections_shed.clone(),
+        );
+        registry.register(
+            "http_max_connections",
+            "HTTP connection cap in force (--max-connections, or derived from the descriptor limit)",
+            m.http_max_connections.clone(),
+        );
+        registry.register(
+            "http_reserved_connections",
+            "Of the HTTP connection cap, slots kept for connections answered 2xx on /v1/feed, /query or /v1/load",
+            m.http_reserved_connections.clone(),
         );
         registry.register(
             "limited",

@@ -52,44 +52,31 @@ fn half_sent_headers_do_not_hold_shutdown_and_the_snapshot_is_written() {
 
 #[test]
 fn half_open_sockets_neither_exhaust_nor_silence_the_server() {
-    // The header deadline is long enough that no held slot frees while the 300 sockets open,
-    // even on a loaded machine (at 1 s, CI freed some and so refused fewer than expected).
-    let c = Collector::start(&["--max-connections", "64", "--header-read-timeout-secs", "3"]);
+    // A header deadline no test outlasts: only shedding can free a slot (issue 23; before it,
+    // the excess was refused with 503 and /health waited for the deadline).
+    let c = Collector::start(&[
+        "--max-connections",
+        "64",
+        "--header-read-timeout-secs",
+        "600",
+    ]);
     let held = half_open(&c.addr, 300);
     assert!(held.len() >= 290, "only {} sockets opened", held.len());
-    // Over the cap: answered at once, 503 with a JSON body, not left hanging.
-    let started = Instant::now();
+    // Over the cap: the oldest half-open socket is shed for the newcomer, which is served.
     let r = c.get("/health").expect("an answer while the cap is full");
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "{:?}",
-        started.elapsed()
-    );
-    assert!(r.status == 200 || r.status == 503, "{r:?}");
-    if r.status == 503 {
-        assert!(r.json()["error"].is_string());
-    }
-    // The header deadline frees the held slots: /health is served again.
-    let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        if c.get("/health").is_some_and(|r| r.status == 200) {
-            break;
-        }
-        assert!(
-            Instant::now() < until,
-            "/health not served after the header timeout"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    assert_eq!(r.status, 200, "{r:?}");
     let metrics = c.get("/metrics").unwrap().body;
-    let refused: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("kvroute_http_connections_refused_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no refusal counter in:\n{metrics}"));
-    // 300 sockets against 64 slots: most are refused (not an exact count, since any slot a
-    // deadline frees is taken by a later socket).
-    assert!(refused >= 150.0, "refused {refused}");
+    let counter = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in:\n{metrics}"))
+    };
+    // 300 sockets and two requests against 64 slots: at least the excess shed (an exact count
+    // would race the accept loop).
+    let shed = counter("kvroute_http_connections_shed_total");
+    assert!(shed >= 230.0, "shed {shed}");
     drop(held);
 }
 

@@ -13,7 +13,7 @@ use tower::ServiceExt;
 
 use crate::common::config;
 
-async fn call(
+pub(crate) async fn call(
     state: &AppState,
     method: Method,
     uri: &str,
@@ -36,12 +36,12 @@ async fn call(
     (status, bytes)
 }
 
-async fn post(state: &AppState, uri: &str, body: Value) -> (StatusCode, Value) {
+pub(crate) async fn post(state: &AppState, uri: &str, body: Value) -> (StatusCode, Value) {
     let (s, b) = call(state, Method::POST, uri, Some(body.to_string()), None).await;
     (s, serde_json::from_slice(&b).unwrap_or(Value::Null))
 }
 
-async fn post_raw(state: &AppState, uri: &str, body: &str) -> (StatusCode, Value) {
+pub(crate) async fn post_raw(state: &AppState, uri: &str, body: &str) -> (StatusCode, Value) {
     let (s, b) = call(state, Method::POST, uri, Some(body.to_owned()), None).await;
     (
         s,
@@ -49,7 +49,7 @@ async fn post_raw(state: &AppState, uri: &str, body: &str) -> (StatusCode, Value
     )
 }
 
-fn error_of(v: &Value) -> &str {
+pub(crate) fn error_of(v: &Value) -> &str {
     v["error"].as_str().expect("{\"error\": ...}")
 }
 
