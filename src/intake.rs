@@ -360,11 +360,42 @@ pub fn scan_json<S: AsRef<str>>(
     found: &mut [Found],
     max_tokens: usize,
 ) -> Result<(), IntakeError> {
+    scan_json_with(body, fields, tokens, found, max_tokens, true)
+}
+
+/// [`scan_json`] with its token arrays read a byte at a time only (no word path): the
+/// reference the word path is tested against (`tests/intake_props.rs`). Not for use.
+///
+/// # Errors
+/// As [`scan_json`].
+#[doc(hidden)]
+pub fn scan_json_bytewise<S: AsRef<str>>(
+    body: &[u8],
+    fields: &[(S, FieldKind)],
+    tokens: &mut Vec<u32>,
+    found: &mut [Found],
+    max_tokens: usize,
+) -> Result<(), IntakeError> {
+    scan_json_with(body, fields, tokens, found, max_tokens, false)
+}
+
+fn scan_json_with<S: AsRef<str>>(
+    body: &[u8],
+    fields: &[(S, FieldKind)],
+    tokens: &mut Vec<u32>,
+    found: &mut [Found],
+    max_tokens: usize,
+    words: bool,
+) -> Result<(), IntakeError> {
     tokens.clear();
     for f in found.iter_mut() {
         *f = Found::Absent;
     }
-    let mut p = Scanner { b: body, i: 0 };
+    let mut p = Scanner {
+        b: body,
+        i: 0,
+        words,
+    };
     p.ws();
     match p.peek() {
         None => return Err(IntakeError::Empty),
@@ -515,6 +546,8 @@ fn hex4(b: &[u8]) -> Option<u32> {
 struct Scanner<'a> {
     b: &'a [u8],
     i: usize,
+    /// Token arrays take the word path ([`short_tokens`]) where it applies.
+    words: bool,
 }
 
 impl Scanner<'_> {
@@ -748,8 +781,27 @@ impl Scanner<'_> {
         }
         let b = self.b;
         let mut i = self.i;
+        let limit = start.saturating_add(max_tokens);
         loop {
-            // One token.
+            // The common tokens (1 to 7 digits, then `,` or `]`) a word at a time; whatever
+            // it leaves (longer numbers, other whitespace, errors) the byte path below takes.
+            let (next, closed) = if self.words {
+                short_tokens(b, i, tokens, limit)
+            } else {
+                (i, false)
+            };
+            i = next;
+            if closed {
+                self.i = i;
+                return Ok(Found::Tokens {
+                    start,
+                    end: tokens.len(),
+                });
+            }
+            // One token, after any whitespace the word path left.
+            while let Some(b' ' | b'\n' | b'\r' | b'\t') = b.get(i) {
+                i += 1;
+            }
             let tstart = i;
             let mut x: u64 = 0;
             let mut n = 0;
@@ -860,6 +912,91 @@ fn short_number(window: &[u8]) -> Option<(u64, usize)> {
         .wrapping_add(((v >> 16) & 0x0000_00FF_0000_00FF).wrapping_mul(1 + (10_000 << 32))))
         >> 32;
     Some((v, digits))
+}
+
+/// Reads the common tokens of a token array from `b[i..]` into `tokens` (while it holds fewer
+/// than `limit`): each a number of 1 to 7 digits without a leading zero, directly followed by
+/// `,` and at most one space, or by the closing `]`. Stops at the first token it cannot take
+/// whole, which the caller's byte path then reads (or refuses), and returns the position and
+/// whether the `]` was consumed. It takes a token only when the byte path would read the same
+/// value and the same separator, so both paths accept and refuse the same bodies.
+///
+/// 64 bytes at a time: one mask of the window's non-digits, then the tokens in it found from
+/// that mask (so finding the next token does not wait for the previous token's value), each
+/// token's digits combined from one 8-byte word.
+#[inline]
+fn short_tokens(b: &[u8], mut i: usize, tokens: &mut Vec<u32>, limit: usize) -> (usize, bool) {
+    while let Some(win) = b.get(i..).and_then(|r| r.first_chunk::<72>()) {
+        let nondigit = nondigit_mask(win);
+        let digit = !nondigit;
+        // The first digit of every run of digits in the window.
+        let mut starts = digit & !(digit << 1);
+        // Where the next token must start: right after the previous one's separator.
+        let mut p = 0usize;
+        while starts != 0 {
+            let s = starts.trailing_zeros() as usize;
+            starts &= starts - 1;
+            let rest = nondigit >> s;
+            if s != p || rest == 0 || tokens.len() >= limit {
+                // Something else between the tokens, a run reaching the window's end, or full.
+                break;
+            }
+            let digits = rest.trailing_zeros() as usize;
+            let Some(&w) = win.get(s..).and_then(|r| r.first_chunk::<8>()) else {
+                return (i + s, false);
+            };
+            // A run ends inside the window (`rest != 0`): `s + digits < 64`.
+            let sep = win[(s + digits) & 63];
+            if digits > 7 || (digits > 1 && w[0] == b'0') {
+                return (i + s, false);
+            }
+            if sep != b',' && sep != b']' {
+                return (i + s, false);
+            }
+            tokens.push(swar_digits(u64::from_le_bytes(w), digits) as u32);
+            if sep == b']' {
+                return (i + s + digits + 1, true);
+            }
+            p = s + digits + 1;
+            if win.get(p) == Some(&b' ') {
+                p += 1;
+            }
+        }
+        if p == 0 {
+            break;
+        }
+        i += p;
+    }
+    (i, false)
+}
+
+/// Bit `k` set when `w[k]` is not an ASCII digit, for the first 64 bytes of `w`.
+#[inline]
+fn nondigit_mask(w: &[u8; 72]) -> u64 {
+    let mut m = 0u64;
+    for k in 0..8 {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&w[k * 8..k * 8 + 8]);
+        let x = u64::from_le_bytes(word).wrapping_sub(0x3030_3030_3030_3030);
+        let flags = (x | x.wrapping_add(0x7676_7676_7676_7676)) & 0x8080_8080_8080_8080;
+        // Gather the eight flag bits (one per byte) into one byte, byte k to bit k.
+        m |= ((flags >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56) << (8 * k);
+    }
+    m
+}
+
+/// The value of the `digits` (1 to 7) ASCII digits at the start of the little-endian word
+/// `raw` (SWAR, as in simdjson's `parse_eight_digits_unrolled`).
+#[inline]
+fn swar_digits(raw: u64, digits: usize) -> u64 {
+    let x = raw.wrapping_sub(0x3030_3030_3030_3030);
+    // Keep the digits, moved to the top bytes: the bytes below become leading zeros.
+    let v = x << (8 * (8 - digits));
+    let v = v.wrapping_mul(10).wrapping_add(v >> 8);
+    ((v & 0x0000_00FF_0000_00FF)
+        .wrapping_mul(100 + (1_000_000 << 32))
+        .wrapping_add(((v >> 16) & 0x0000_00FF_0000_00FF).wrapping_mul(1 + (10_000 << 32))))
+        >> 32
 }
 
 /// Whether any byte of `x` is `"`, `\` or below 0x20 (SWAR).

@@ -8,7 +8,7 @@
 //! pairs), escaped keys, keys given twice, and the number forms a token array must refuse
 //! (`-0`, `1.0`, `1e3`, `1E+2`, `4294967296`, ...).
 
-use kvroute::intake::{scan_json, unescape, FieldKind, Found, IntakeError};
+use kvroute::intake::{scan_json, scan_json_bytewise, unescape, FieldKind, Found, IntakeError};
 use proptest::prelude::*;
 use serde_json::Value;
 
@@ -418,4 +418,82 @@ fn escaped_and_repeated_keys_read_as_json_parsers_read_them() {
     assert_eq!(read.prompt, None);
     // A bad array anywhere in a routed field refuses the body, even if a later one is good.
     assert!(scan(br#"{"prompt":[1.5],"prompt":[3]}"#).is_err());
+}
+
+/// Scans with the word path and with the byte path alone: both must give the same result,
+/// tokens and fields, the same error at the same byte.
+fn both_paths(body: &[u8], max_tokens: usize) -> Result<(Vec<u32>, [Found; 3]), IntakeError> {
+    let (mut t1, mut t2) = (Vec::new(), Vec::new());
+    let (mut f1, mut f2) = ([Found::Absent; 3], [Found::Absent; 3]);
+    let r1 = scan_json(body, &FIELDS, &mut t1, &mut f1, max_tokens);
+    let r2 = scan_json_bytewise(body, &FIELDS, &mut t2, &mut f2, max_tokens);
+    assert_eq!(r1, r2, "{}", String::from_utf8_lossy(body));
+    if r1.is_ok() {
+        assert_eq!((&t1, &f1), (&t2, &f2), "{}", String::from_utf8_lossy(body));
+    }
+    r1.map(|()| (t1, f1))
+}
+
+/// A long token array in the forms clients write (`,` or `, ` mostly, sometimes other
+/// whitespace), numbers of every length, with some odd elements (leading zeros, signs,
+/// fractions, 8 to 11 digits) where `odd` says.
+fn token_body(elems: &[(u32, u8, u8)], odd: u8) -> String {
+    let mut out = String::from(r#"{"model":"m","prompt":["#);
+    for (k, &(v, digits, sep)) in elems.iter().enumerate() {
+        // Numbers of every length: the value cut to `digits` digits (1..=10).
+        let n = v as u64 % 10u64.pow(u32::from(digits % 10 + 1));
+        let num = match (odd != 0 && k % 97 == odd as usize % 97, odd % 6) {
+            (true, 0) => format!("0{n}"),
+            (true, 1) => format!("-{n}"),
+            (true, 2) => format!("{n}.0"),
+            (true, 3) => format!("{n}e1"),
+            (true, 4) => format!("{}", n + 4_294_967_296),
+            (true, _) => format!("{n} {n}"),
+            _ => n.to_string(),
+        };
+        out.push_str(&num);
+        if k + 1 < elems.len() {
+            out.push_str(match sep % 16 {
+                0 => ",\n",
+                1 => " , ",
+                2 => ",\t ",
+                3..=8 => ",",
+                _ => ", ",
+            });
+        }
+    }
+    out.push_str(r#"],"max_tokens":1}"#);
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The word path ([`scan_json`]) against the byte path alone ([`scan_json_bytewise`]) on
+    /// long token arrays: the same tokens, or the same error at the same byte; also cut at
+    /// random bytes, with a byte changed, and under a token limit.
+    #[test]
+    fn word_and_byte_paths_agree(
+        elems in proptest::collection::vec((any::<u32>(), 0u8..12, any::<u8>()), 0..400),
+        odd in any::<u8>(),
+        cut in any::<usize>(),
+        at in any::<usize>(),
+        byte in prop_oneof![Just(b','), Just(b' '), Just(b']'), Just(b'0'), Just(b'7'), Just(b'\n'), Just(b'.'), Just(b'-'), any::<u8>()],
+        limit in 1usize..500,
+    ) {
+        let body = token_body(&elems, odd);
+        let b = body.as_bytes();
+        let got = both_paths(b, 1 << 20);
+        if odd == 0 {
+            let (t, f) = got.map_err(|e| TestCaseError::fail(format!("{e} in {body}")))?;
+            let doc: Value = serde_json::from_str(&body).expect("JSON");
+            prop_assert_eq!(Some(t.clone()), reference(&doc).prompt);
+            prop_assert_eq!(f[0], Found::Tokens { start: 0, end: t.len() });
+        }
+        both_paths(&b[..cut % (b.len() + 1)], 1 << 20).ok();
+        let mut m = b.to_vec();
+        m[at % b.len()] = byte;
+        both_paths(&m, 1 << 20).ok();
+        both_paths(b, limit).ok();
+    }
 }
