@@ -66,8 +66,16 @@ check-rules:
 	promtool check rules dashboards/alerts.yaml
 .PHONY: check-rules
 
+# The collector's NATS tests (collector/tests/nats.rs) start a real nats-server -js.
 test-rust:
+	bash tools/install-nats-server.sh >/dev/null
 	$(CARGO) test -j$(JOBS) --workspace
+
+## The NATS JetStream event bus alone (part of test-rust).
+test-nats:
+	bash tools/install-nats-server.sh >/dev/null
+	$(CARGO) test -j$(JOBS) -p kvroute-collector --test nats
+.PHONY: test-nats
 
 # The end-to-end tests use the dev-profile binaries that `test-rust` already built (their
 # dependencies are optimized, see Cargo.toml), so CI does not compile the stack twice.

@@ -168,6 +168,8 @@ pub struct Cli {
     /// Most messages in one chat request; more gets 413 [default: 2048].
     #[arg(long, value_name = "N")]
     pub max_messages: Option<usize>,
+    #[command(flatten)]
+    pub nats: crate::bus::settings::NatsArgs,
 }
 
 /// The `--config` file.
@@ -220,6 +222,8 @@ pub struct FileConfig {
     pub max_tokenizers: Option<usize>,
     pub max_text_bytes: Option<usize>,
     pub max_messages: Option<usize>,
+    /// The `[nats]` table: the `--nats*` settings without the prefix.
+    pub nats: Option<crate::bus::settings::NatsFile>,
 }
 
 /// `--tokenizer MODEL=DIR`: where a served model's tokenizer lives.
@@ -291,6 +295,8 @@ pub struct Config {
     pub tokenizers: Vec<TokenizerSpec>,
     /// Size limits of text requests.
     pub text_limits: kvroute_text::Limits,
+    /// The NATS event bus (`--nats`); `None`: off, engines over ZMQ only.
+    pub nats: Option<crate::bus::settings::BusConfig>,
 }
 
 impl Default for Config {
@@ -335,6 +341,7 @@ impl Default for Config {
             max_metrics_bytes: 1 << 20,
             tokenizers: Vec::new(),
             text_limits: kvroute_text::Limits::default(),
+            nats: None,
         }
     }
 }
@@ -642,6 +649,13 @@ impl Cli {
             )?,
             tokenizers,
             text_limits,
+            nats: self
+                .nats
+                .into_config(file.nats, listen.port())
+                .map_err(|e| ConfigError::Value {
+                    flag: e.flag,
+                    msg: e.msg,
+                })?,
         })
     }
 }

@@ -22,6 +22,7 @@
 //!   taken of it ([`state`]: the file); `workers`: registering starts a worker's subscriber.
 //! - [`ui`]: the fleet page (`/ui/`) and its `/v1/fleet/overview`.
 //! - [`text`]: the models' tokenizers (`--tokenizer`) for `/tokenize` and text `/query`.
+//! - [`bus`]: the optional NATS JetStream event bus between collectors (`--nats`).
 //! - [`config`]: command line and config file.
 //!
 //! It must not hold the hub's lock across an `.await`, and must not let one engine's bad
@@ -29,6 +30,7 @@
 
 pub mod alarm;
 pub mod api;
+pub mod bus;
 pub mod chunk;
 pub mod config;
 pub mod decode;
@@ -171,6 +173,7 @@ pub async fn serve(
             }
         })
     });
+    let bus_tasks = bus::task::spawn(&shared);
     let scraper = tokio::spawn(scrape::run(
         shared.clone(),
         scrape::ScrapeConfig {
@@ -201,6 +204,8 @@ pub async fn serve(
         task.abort();
     }
     scraper.abort();
+    // Before the final snapshot: nothing from the stream is applied after it.
+    bus_tasks.stop();
     shared.stop_subscribers();
     if let Some(dir) = shared.config.state_dir.clone() {
         shared::save_state(&shared, &dir).await;

@@ -38,6 +38,14 @@ pub struct ReasonLabels {
     pub reason: &'static str,
 }
 
+/// Messages of the NATS bus (`--nats`): `dir` `in` (the index role) or `out` (the publisher),
+/// and what became of them.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BusLabels {
+    pub dir: &'static str,
+    pub outcome: &'static str,
+}
+
 /// Every `outcome` label of [`Metrics::replays`].
 pub const REPLAY_OUTCOMES: [&str; 3] = ["ok", "timeout", "error"];
 
@@ -83,6 +91,9 @@ fn query_histogram() -> Histogram {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    /// NATS bus messages by direction and outcome (`published`, `retried`, `outbox_full`,
+    /// `too_large`, `applied`, `duplicate`, `gap`, `undecodable`, `unknown_worker`, ...).
+    pub bus_messages: Family<BusLabels, Counter>,
     /// KV events applied, by type and worker.
     pub events: Family<EventLabels, Counter>,
     /// Batches (ZMQ messages) received, by worker.
@@ -209,6 +220,7 @@ impl Metrics {
         let mut registry = Registry::with_prefix("kvroute");
         let m = Metrics {
             registry: Registry::default(),
+            bus_messages: Family::default(),
             events: Family::default(),
             batches: Family::default(),
             decode_errors: Family::default(),
@@ -251,6 +263,11 @@ impl Metrics {
             engine_scrapes: Counter::default(),
             engine_scrape_failures: Family::default(),
         };
+        registry.register(
+            "bus_messages",
+            "NATS bus messages, by direction (in, out) and outcome",
+            m.bus_messages.clone(),
+        );
         registry.register(
             "events",
             "KV events applied, by type and worker",

@@ -42,6 +42,8 @@ pub struct Shared {
     save_blocked: AtomicBool,
     /// What the alarms saw at their last evaluation.
     pub alarms: crate::alarm::Alarms,
+    /// The NATS event bus (`--nats`), when it is on.
+    pub bus: Option<Arc<crate::bus::handle::Bus>>,
 }
 
 /// The axum state.
@@ -58,6 +60,7 @@ impl Shared {
             engine_stale: config.engine_stale,
         }));
         let tokenizers = text::Tokenizers::new(&config.tokenizers, config.text_limits);
+        let bus = config.nats.clone().map(crate::bus::handle::Bus::new);
         Arc::new(Shared {
             tokenizers,
             config,
@@ -70,6 +73,7 @@ impl Shared {
             state_problem: Mutex::new(None),
             save_blocked: AtomicBool::new(false),
             alarms: crate::alarm::Alarms::default(),
+            bus,
         })
     }
 
@@ -189,6 +193,9 @@ impl Shared {
         }
         if let Some(p) = lock(&self.state_problem).clone() {
             out.push(p);
+        }
+        if let Some(bus) = &self.bus {
+            out.extend(bus.problems());
         }
         out
     }

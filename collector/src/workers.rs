@@ -18,6 +18,28 @@ impl Shared {
         self: &Arc<Self>,
         req: kvroute::api::RegisterRequest,
     ) -> Result<Registered, HubError> {
+        let outcome = self.register_local(req)?;
+        if let (Registered::New(id), Some(bus)) = (outcome, &self.bus) {
+            // The normalized registration, so every collector derives the same worker.
+            let reg = self.read().worker(id).map(|w| w.reg.clone());
+            if let Some(reg) = reg {
+                bus.send(
+                    &self.metrics,
+                    crate::bus::handle::Outgoing::Register(Box::new(reg)),
+                );
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// [`Shared::register`] without telling the bus (a registration that came from it).
+    ///
+    /// # Errors
+    /// See [`Hub::register`].
+    pub(crate) fn register_local(
+        self: &Arc<Self>,
+        req: kvroute::api::RegisterRequest,
+    ) -> Result<Registered, HubError> {
         let outcome = self.write().register(req)?;
         if let Registered::New(id) = outcome {
             self.start_subscriber(id, None);
@@ -30,6 +52,24 @@ impl Shared {
     /// # Errors
     /// See [`Hub::unregister`].
     pub fn unregister(&self, req: &kvroute::api::UnregisterRequest) -> Result<usize, HubError> {
+        let removed = self.unregister_local(req)?;
+        if let Some(bus) = &self.bus {
+            for (instance, dp) in &removed {
+                let key = crate::bus::handle::worker_key(instance, *dp);
+                bus.send(&self.metrics, crate::bus::handle::Outgoing::Unregister(key));
+            }
+        }
+        Ok(removed.len())
+    }
+
+    /// [`Shared::unregister`] without telling the bus; returns the registrations removed.
+    ///
+    /// # Errors
+    /// See [`Hub::unregister`].
+    pub(crate) fn unregister_local(
+        &self,
+        req: &kvroute::api::UnregisterRequest,
+    ) -> Result<Vec<(String, u32)>, HubError> {
         // Fleet first (the lock order), so no load report lands between the two removals.
         let mut fleet = self.fleet();
         let mut hub = self.write();
@@ -56,10 +96,18 @@ impl Shared {
                 task.abort();
             }
         }
-        Ok(removed.len())
+        Ok(gone
+            .into_iter()
+            .filter(|(id, _, _)| removed.contains(id))
+            .map(|(_, instance, dp)| (instance, dp))
+            .collect())
     }
 
     pub(crate) fn start_subscriber(self: &Arc<Self>, id: WorkerId, last_seq: Option<u64>) {
+        // An index replica of the bus opens no engine socket: its events come from the stream.
+        if self.bus.as_ref().is_some_and(|b| !b.config.role.ingests()) {
+            return;
+        }
         let Some(sub) = zmq::Subscriber::new(self.clone(), id, last_seq) else {
             return;
         };

@@ -423,6 +423,8 @@ pub struct Subscriber {
     ctx: OwnedContext,
     /// Set when this subscriber is dropped: ends its socket thread and any replay.
     stop: Arc<AtomicBool>,
+    /// With `--nats` (an ingest role): where this worker's applied batches are published.
+    bus: Option<crate::bus::handle::Route>,
 }
 
 impl Subscriber {
@@ -433,6 +435,10 @@ impl Subscriber {
         let endpoint = w.reg.endpoint.clone();
         let replay_endpoint = w.reg.replay_endpoint.clone();
         let labels = WorkerLabels::new(&w.reg.instance_id, w.dp_rank());
+        let bus = shared
+            .bus
+            .clone()
+            .map(|b| crate::bus::handle::Route::new(b, &w.reg, w.dp_rank()));
         drop(hub);
         let limits = SocketLimits {
             max_message_bytes: shared.config.max_zmq_message_bytes,
@@ -450,6 +456,7 @@ impl Subscriber {
             limits,
             ctx: OwnedContext(Some(zmq::Context::new())),
             stop: Arc::new(AtomicBool::new(false)),
+            bus,
         })
     }
 
@@ -537,6 +544,7 @@ impl Subscriber {
                         n
                     };
                     info!(endpoint = %self.endpoint, blocks = n, "disconnected too long; blocks dropped, no longer routed until it reconnects");
+                    self.publish(crate::bus::wire::Kind::Expired, 0, &[]);
                     // Start over: when the engine is back, what its replay buffer still
                     // holds comes in again from seq 0.
                     self.seq = Seq { last: None, recent: VecDeque::new() };
@@ -550,6 +558,19 @@ impl Subscriber {
     fn set_connected(&self, connected: bool) {
         self.shared.write().set_connected(self.source, connected);
         self.shared.notify();
+        let kind = if connected {
+            crate::bus::wire::Kind::Connected
+        } else {
+            crate::bus::wire::Kind::Disconnected
+        };
+        self.publish(kind, 0, &[]);
+    }
+
+    /// Tells the bus (with `--nats`), after the local index has it.
+    fn publish(&self, kind: crate::bus::wire::Kind, seq: u64, payload: &[u8]) {
+        if let Some(route) = &self.bus {
+            route.publish(&self.shared.metrics, kind, seq, payload);
+        }
     }
 
     async fn on_message(&mut self, frames: Vec<Bytes>) {
@@ -599,6 +620,7 @@ impl Subscriber {
                     .inc();
                 self.status(|s| s.restarts += 1);
                 self.shared.write().clear_blocks(self.source);
+                self.publish(crate::bus::wire::Kind::Reset, raw.seq, &[]);
                 self.seq = Seq {
                     last: None,
                     recent: VecDeque::new(),
@@ -677,6 +699,7 @@ impl Subscriber {
         match crate::decode::decode(&raw.payload) {
             Ok(batch) => {
                 self.shared.apply_batch(self.source, raw.seq, batch).await;
+                self.publish(crate::bus::wire::Kind::Batch, raw.seq, &raw.payload);
             }
             Err(e) => {
                 warn!(endpoint = %self.endpoint, seq = raw.seq, error = %e, "undecodable batch");

@@ -1,0 +1,210 @@
+//! The index role: the stream in, through this replica's durable pull consumer
+//! (`--nats-durable`), into the same [`Shared::apply_batch`] the ZMQ path uses.
+//!
+//! Each message is acknowledged once applied (ack policy *all*), so after a restart the
+//! durable consumer resumes after the last one. With `--state-dir` the replica's index comes
+//! back from its snapshot (written after the consumer stops) and the durable continues from
+//! there: no engine replay. Without it the index starts empty, so the durable is reset to the
+//! start of the stream (everything the stream's limits still keep).
+//!
+//! Per worker the consumer follows the engine's sequence numbers as the ingest side applied
+//! them: the next one is applied; a jump is counted as a gap (`gap`) and applied, as the ZMQ
+//! path does without a replay endpoint; one at or below the last applied is a second copy
+//! (`duplicate`) and skipped. Engine restarts and expiries come as their own messages
+//! (the ingest side decides them). Bad input costs that message only, counted in
+//! `kvroute_bus_messages_total{dir="in",outcome}`: `too_large` (checked before anything
+//! is decoded), `undecodable`, `unknown_worker`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer};
+use futures_util::StreamExt;
+use kvroute::event::WorkerId;
+use tracing::{debug, info, warn};
+
+use super::wire::{self, Kind};
+use super::{count, publish, registry, Bus};
+use crate::metrics::WorkerLabels;
+use crate::shared::Shared;
+
+/// Longest pause between two attempts to reopen the consumer.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// How long a delivered, unacknowledged message waits before it is delivered again.
+const ACK_WAIT: Duration = Duration::from_secs(5);
+
+/// What the consumer knows per worker: the last engine sequence number applied.
+#[derive(Debug, Default)]
+struct Follow {
+    last: HashMap<WorkerId, u64>,
+}
+
+/// Runs for as long as the collector does; reopens the consumer after every error.
+pub async fn run(shared: Arc<Shared>, bus: Arc<Bus>, js: jetstream::Context) {
+    let registry = registry::open(&bus, &js).await;
+    let mut follow = Follow::default();
+    // From --state-dir: what the snapshot had applied.
+    for w in shared.read().workers() {
+        if let (None, Some(s)) = (w.source, w.status.last_seq) {
+            follow.last.insert(w.id, s);
+        }
+    }
+    let mut fresh = shared.config.state_dir.is_none();
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match open(&bus, &js, fresh).await {
+            Ok(c) => {
+                fresh = false;
+                bus.set_consumer_problem(None);
+                info!(durable = %bus.config.durable, "nats: consuming the stream");
+                match c.messages().await {
+                    Ok(mut messages) => {
+                        backoff = Duration::from_millis(100);
+                        let limit = publish::message_limit(&bus, &js);
+                        while let Some(m) = messages.next().await {
+                            match m {
+                                Ok(msg) => {
+                                    on_message(
+                                        &shared,
+                                        &registry,
+                                        &mut follow,
+                                        limit,
+                                        &msg.payload,
+                                    )
+                                    .await;
+                                    if let Err(e) = msg.ack().await {
+                                        debug!(error = %e, "nats: ack failed");
+                                    }
+                                }
+                                Err(e) => {
+                                    debug!(error = %e, "nats: consumer interrupted");
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => debug!(error = %e, "nats: pull stream not started"),
+                }
+            }
+            Err(e) => {
+                warn!(durable = %bus.config.durable, error = %e, "nats: consumer not ready; retrying");
+                bus.set_consumer_problem(Some(format!("consumer not ready ({e})")));
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// The durable consumer; `fresh`: this replica's index is empty, so it starts over.
+async fn open(
+    bus: &Bus,
+    js: &jetstream::Context,
+    fresh: bool,
+) -> Result<consumer::PullConsumer, String> {
+    publish::ensure_stream(bus, js).await;
+    let stream = js
+        .get_stream(&bus.config.stream)
+        .await
+        .map_err(|e| e.to_string())?;
+    if fresh {
+        // Gone already is fine.
+        let _ = stream.delete_consumer(&bus.config.durable).await;
+    }
+    stream
+        .get_or_create_consumer(
+            &bus.config.durable,
+            consumer::pull::Config {
+                durable_name: Some(bus.config.durable.clone()),
+                deliver_policy: consumer::DeliverPolicy::All,
+                ack_policy: consumer::AckPolicy::All,
+                ack_wait: ACK_WAIT,
+                max_ack_pending: 100_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Applies one stream message; bad input is counted and skipped.
+async fn on_message(
+    shared: &Arc<Shared>,
+    registry: &registry::Registry,
+    follow: &mut Follow,
+    limit: usize,
+    payload: &bytes::Bytes,
+) {
+    if payload.len() > limit {
+        count(&shared.metrics, "in", "too_large");
+        return;
+    }
+    let env = match wire::decode(payload) {
+        Ok(e) => e,
+        Err(e) => {
+            debug!(error = %e, "nats: undecodable message");
+            count(&shared.metrics, "in", "undecodable");
+            return;
+        }
+    };
+    let Some(id) = registry::resolve(shared, registry, &env.instance_id, env.dp_rank).await else {
+        debug!(instance = %env.instance_id, dp = env.dp_rank, "nats: message for an unknown worker");
+        count(&shared.metrics, "in", "unknown_worker");
+        return;
+    };
+    match env.kind {
+        Kind::Batch => {
+            match follow.last.get(&id) {
+                Some(&last) if env.seq <= last => {
+                    count(&shared.metrics, "in", "duplicate");
+                    return;
+                }
+                Some(&last) if env.seq > last + 1 => {
+                    warn!(instance = %env.instance_id, last, seq = env.seq, "nats: sequence gap");
+                    count(&shared.metrics, "in", "gap");
+                    shared
+                        .metrics
+                        .gaps
+                        .get_or_create(&WorkerLabels::new(&env.instance_id, env.dp_rank))
+                        .inc();
+                    if let Some(w) = shared.write().worker_mut(id) {
+                        w.status.gaps += 1;
+                    }
+                }
+                _ => {}
+            }
+            follow.last.insert(id, env.seq);
+            match crate::decode::decode(&env.payload) {
+                Ok(batch) => {
+                    shared.apply_batch(id, env.seq, batch).await;
+                    count(&shared.metrics, "in", "applied");
+                }
+                Err(e) => {
+                    debug!(error = %e, "nats: batch payload does not decode");
+                    count(&shared.metrics, "in", "undecodable");
+                }
+            }
+        }
+        Kind::Reset => {
+            shared.write().clear_blocks(id);
+            follow.last.remove(&id);
+            count(&shared.metrics, "in", "applied");
+        }
+        Kind::Expired => {
+            let mut hub = shared.write();
+            hub.clear_blocks(id);
+            hub.set_stream_expired(id);
+            drop(hub);
+            follow.last.remove(&id);
+            count(&shared.metrics, "in", "applied");
+        }
+        Kind::Connected | Kind::Disconnected => {
+            shared
+                .write()
+                .set_connected(id, env.kind == Kind::Connected);
+            count(&shared.metrics, "in", "applied");
+        }
+    }
+    shared.notify();
+}

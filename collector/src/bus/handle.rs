@@ -1,0 +1,258 @@
+//! The bus state a collector's tasks share ([`Bus`]: the outbox, the connection's health),
+//! each worker's [`Route`] onto the stream, and the subject and key names. Nothing here knows
+//! the collector's shared state, so that state can hold a [`Bus`].
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use tracing::warn;
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::settings::BusConfig;
+use super::wire::{self, Kind};
+use crate::metrics::{BusLabels, Metrics};
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A name made safe as one subject token or KV key part: characters other than ASCII
+/// letters, digits, `-` and `_` become `_`, and then a hash of the original is appended so
+/// two names that map to the same text stay apart.
+pub fn token(s: &str) -> String {
+    let safe: String = s
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if safe == s && !s.is_empty() {
+        safe
+    } else {
+        format!("{safe}-{:08x}", xxh3_64(s.as_bytes()) as u32)
+    }
+}
+
+/// The subject of a worker's messages: `<prefix>.events.<scope>.<worker>`, scope the
+/// (tenant, model) pair and worker the (instance, dp rank) pair, each one token.
+pub fn subject(prefix: &str, tenant: &str, model: &str, instance: &str, dp_rank: u32) -> String {
+    format!(
+        "{prefix}.events.{}.{}",
+        token(&format!("{tenant}/{model}")),
+        worker_key(instance, dp_rank)
+    )
+}
+
+/// One token naming a worker: its instance id made safe, then its dp rank.
+pub fn worker_key(instance: &str, dp_rank: u32) -> String {
+    format!("{}-dp{dp_rank}", token(instance))
+}
+
+/// What the outbox carries to the publisher task, in order.
+#[derive(Debug)]
+pub enum Outgoing {
+    /// A stream message; `msg_id` lets JetStream drop a republished or second copy.
+    Event {
+        subject: String,
+        msg_id: String,
+        body: Bytes,
+    },
+    /// A registration to publish to the registry.
+    Register(Box<kvroute::api::RegisterRequest>),
+    /// A worker key whose registration is withdrawn (an empty message in the registry).
+    Unregister(String),
+}
+
+/// The bus state one collector shares between its tasks.
+#[derive(Debug)]
+pub struct Bus {
+    pub config: BusConfig,
+    outbox: mpsc::Sender<Outgoing>,
+    /// Taken once by the publisher task.
+    outbox_rx: Mutex<Option<mpsc::Receiver<Outgoing>>>,
+    connected: AtomicBool,
+    /// When the connection was last lost (or when the bus started, before any connection).
+    down_since: Mutex<Option<Instant>>,
+    /// Batches not published because the outbox was full.
+    dropped: AtomicU64,
+    /// The index consumer's last error, while it has one.
+    consumer_problem: Mutex<Option<String>>,
+}
+
+impl Bus {
+    pub fn new(config: BusConfig) -> Arc<Bus> {
+        let (tx, rx) = mpsc::channel(config.outbox_batches);
+        Arc::new(Bus {
+            config,
+            outbox: tx,
+            outbox_rx: Mutex::new(Some(rx)),
+            connected: AtomicBool::new(false),
+            down_since: Mutex::new(Some(Instant::now())),
+            dropped: AtomicU64::new(0),
+            consumer_problem: Mutex::new(None),
+        })
+    }
+
+    /// The outbox's receiving end, once (for the publisher task).
+    pub(crate) fn take_outbox(&self) -> Option<mpsc::Receiver<Outgoing>> {
+        lock(&self.outbox_rx).take()
+    }
+
+    pub(crate) fn set_connected(&self, up: bool) {
+        self.connected.store(up, Ordering::Relaxed);
+        let mut since = lock(&self.down_since);
+        if up {
+            *since = None;
+        } else if since.is_none() {
+            *since = Some(Instant::now());
+        }
+    }
+
+    pub(crate) fn set_consumer_problem(&self, p: Option<String>) {
+        *lock(&self.consumer_problem) = p;
+    }
+
+    /// Why the bus makes the collector degraded, if it does (for `/health`).
+    pub fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if !self.connected.load(Ordering::Relaxed) {
+            let secs = lock(&self.down_since).map_or(0.0, |t| t.elapsed().as_secs_f64());
+            let what = if self.config.role.ingests() {
+                "batches wait in the outbox"
+            } else {
+                "the index stays as it is until the stream is back"
+            };
+            out.push(format!(
+                "nats: not connected to {} for {secs:.1} s; serving what it has, {what}",
+                self.config.url
+            ));
+        }
+        let queued = self.config.outbox_batches - self.outbox.capacity();
+        if queued > 0 && !self.connected.load(Ordering::Relaxed) {
+            out.push(format!("nats: {queued} messages wait to be published"));
+        }
+        let dropped = self.dropped.load(Ordering::Relaxed);
+        if dropped > 0 {
+            out.push(format!(
+                "nats: {dropped} batches not published (outbox full); index replicas miss them"
+            ));
+        }
+        if let Some(p) = lock(&self.consumer_problem).clone() {
+            out.push(format!("nats: {p}"));
+        }
+        out
+    }
+
+    /// Queues `item` for the publisher task without waiting; a full outbox drops it (counted).
+    pub(crate) fn send(&self, metrics: &Metrics, item: Outgoing) {
+        match self.outbox.try_send(item) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                if self.dropped.fetch_add(1, Ordering::Relaxed) == 0 {
+                    warn!(
+                        capacity = self.config.outbox_batches,
+                        "nats outbox full: batches are dropped (index replicas will see gaps)"
+                    );
+                }
+                count(metrics, "out", "outbox_full");
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                count(metrics, "out", "closed");
+            }
+        }
+    }
+
+    /// The stream subject of `reg`'s worker.
+    pub fn subject_of(&self, reg: &kvroute::api::RegisterRequest, dp_rank: u32) -> String {
+        subject(
+            &self.config.subject_prefix,
+            reg.tenant_id
+                .as_deref()
+                .unwrap_or(kvroute::scope::DEFAULT_TENANT),
+            &reg.model_name,
+            &reg.instance_id,
+            dp_rank,
+        )
+    }
+}
+
+/// One worker's route onto the stream, held by its ZMQ subscriber.
+#[derive(Debug, Clone)]
+pub struct Route {
+    bus: Arc<Bus>,
+    subject: String,
+    key: String,
+    instance_id: String,
+    dp_rank: u32,
+}
+
+impl Route {
+    pub fn new(bus: Arc<Bus>, reg: &kvroute::api::RegisterRequest, dp_rank: u32) -> Route {
+        Route {
+            subject: bus.subject_of(reg, dp_rank),
+            key: worker_key(&reg.instance_id, dp_rank),
+            instance_id: reg.instance_id.clone(),
+            dp_rank,
+            bus,
+        }
+    }
+
+    /// Queues one message of this worker. Its id (worker, kind, seq, payload hash) lets
+    /// JetStream drop a second copy within the duplicate window.
+    pub fn publish(&self, metrics: &Metrics, kind: Kind, seq: u64, payload: &[u8]) {
+        let msg_id = format!(
+            "{}.{}.{seq}.{:016x}",
+            self.key,
+            kind.as_str(),
+            xxh3_64(payload)
+        );
+        let body = wire::encode(kind, seq, self.dp_rank, &self.instance_id, payload);
+        self.bus.send(
+            metrics,
+            Outgoing::Event {
+                subject: self.subject.clone(),
+                msg_id,
+                body,
+            },
+        );
+    }
+}
+
+/// Counts one bus message under `dir` (`in`, `out`) and `outcome`.
+pub(crate) fn count(metrics: &Metrics, dir: &'static str, outcome: &'static str) {
+    metrics
+        .bus_messages
+        .get_or_create(&BusLabels { dir, outcome })
+        .inc();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_subject_safe_and_distinct() {
+        assert_eq!(token("engine-1"), "engine-1");
+        let a = token("10.0.0.1:8000");
+        let b = token("10_0_0_1_8000");
+        assert!(a.starts_with("10_0_0_1_8000-"));
+        assert_ne!(a, b);
+        assert!(!token("a.b*c>d e").contains(['.', '*', '>', ' ']));
+        assert!(!token("").is_empty());
+        assert_eq!(
+            subject("kvroute", "default", "llama", "a:1", 2),
+            format!(
+                "kvroute.events.{}.{}-dp2",
+                token("default/llama"),
+                token("a:1")
+            )
+        );
+    }
+}

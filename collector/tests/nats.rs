@@ -1,0 +1,591 @@
+//! The NATS JetStream event bus (`--nats`, issue 23) against a real `nats-server -js` on a
+//! free loopback port in a temp dir (installed by `tools/install-nats-server.sh` when absent):
+//! engines' real vLLM and SGLang msgpack over ZMQ (`kvroute_sim::publisher`) into an ingest
+//! collector, out of the stream into index replicas, compared with a direct-ZMQ collector;
+//! a replica restarted on its durable consumer; bad input on the bus; NATS down at start and
+//! mid-run.
+
+#[allow(dead_code)]
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::TcpListener as StdListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{publisher, registration, tokens, DEADLINE};
+use kvroute::event::{EngineHash, KvEvent, Tier};
+use kvroute_collector::bus::{wire, BusConfig, Role};
+use kvroute_collector::hub::Hub;
+use kvroute_collector::{AppState, Config};
+use kvroute_sim::publisher::Publisher;
+use kvroute_sim::wire::{stored, EventFormat, ReplayShape};
+use tokio::sync::oneshot;
+
+const M: &str = "llama";
+const STREAM: &str = "KVROUTE_EVENTS";
+
+/// `nats-server`, from PATH or Debian's /usr/sbin, installed by the project's script if absent.
+fn nats_server_bin() -> PathBuf {
+    for p in ["/usr/sbin/nats-server", "/usr/bin/nats-server"] {
+        if Path::new(p).exists() {
+            return p.into();
+        }
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/install-nats-server.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .output()
+        .expect("run tools/install-nats-server.sh");
+    assert!(
+        out.status.success(),
+        "install-nats-server.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// Logs with `RUST_LOG` (off by default), for a failing run.
+fn init_log() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+fn free_port() -> u16 {
+    init_log();
+    StdListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}
+
+/// One `nats-server -js` on loopback, its store in a temp dir; killed on drop.
+struct Nats {
+    port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl Nats {
+    fn url(port: u16) -> String {
+        format!("nats://127.0.0.1:{port}")
+    }
+
+    async fn start() -> Nats {
+        let mut n = Nats {
+            port: free_port(),
+            dir: tempfile::tempdir().expect("temp dir"),
+            child: None,
+        };
+        n.up().await;
+        n
+    }
+
+    /// A server that is not started yet, on a port reserved for it.
+    fn later() -> Nats {
+        Nats {
+            port: free_port(),
+            dir: tempfile::tempdir().expect("temp dir"),
+            child: None,
+        }
+    }
+
+    /// Starts (again) on the same port and store.
+    async fn up(&mut self) {
+        let conf = self.dir.path().join("nats.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "listen: 127.0.0.1:{}\nmax_payload: 1048576\njetstream {{\n  store_dir: \"{}\"\n}}\n",
+                self.port,
+                self.dir.path().join("js").display()
+            ),
+        )
+        .expect("write nats.conf");
+        let child = Command::new(nats_server_bin())
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nats-server");
+        self.child = Some(child);
+        let until = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+                .await
+                .is_ok()
+            {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < until,
+                "nats-server did not listen"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Kills the server (its store stays).
+    fn down(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        self.down();
+    }
+}
+
+fn bus(url: &str, role: Role, durable: &str) -> BusConfig {
+    BusConfig {
+        url: url.into(),
+        role,
+        stream: STREAM.into(),
+        subject_prefix: "kvroute".into(),
+        durable: durable.into(),
+        registry_stream: "KVROUTE_REGISTRY".into(),
+        max_age: Duration::from_secs(3600),
+        max_bytes: 64 << 20,
+        max_message_bytes: 1 << 20,
+        outbox_batches: 65_536,
+    }
+}
+
+/// One collector served in-process on a loopback port, stopped by [`Collector::stop`].
+struct Collector {
+    state: AppState,
+    addr: std::net::SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Collector {
+    async fn start(config: Config) -> Collector {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let state = kvroute_collector::start(config).expect("start");
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn({
+            let state = state.clone();
+            async move {
+                kvroute_collector::serve(listener, state, async {
+                    let _ = rx.await;
+                })
+                .await
+                .expect("serve");
+            }
+        });
+        Collector {
+            state,
+            addr,
+            stop: Some(tx),
+            task,
+        }
+    }
+
+    /// Graceful stop: the bus tasks end, then the final snapshot is written.
+    async fn stop(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+
+    async fn health(&self) -> serde_json::Value {
+        reqwest::get(format!("http://{}/health", self.addr))
+            .await
+            .expect("GET /health")
+            .json()
+            .await
+            .expect("health JSON")
+    }
+
+    /// `kvroute_bus_messages_total{dir,outcome}` from `/metrics`.
+    fn bus_count(&self, dir: &str, outcome: &str) -> u64 {
+        let text = self.state.metrics.encode();
+        let needle = format!("kvroute_bus_messages_total{{dir=\"{dir}\",outcome=\"{outcome}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&needle))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+fn config(nats: Option<BusConfig>) -> Config {
+    Config {
+        nats,
+        scrape_interval: Duration::ZERO,
+        ..common::config()
+    }
+}
+
+/// What a collector's index says about `prompts`, and how many blocks each worker holds:
+/// equal for two collectors that applied the same events.
+fn signature(hub: &Hub, prompts: &[Vec<u32>]) -> String {
+    let mut out = BTreeMap::new();
+    for (i, p) in prompts.iter().enumerate() {
+        // An unknown model (no registration yet) is an error: an empty answer here.
+        let Ok(r) = hub.query_tokens(p, M, None, None, None) else {
+            continue;
+        };
+        for (inst, m) in r.instances {
+            out.insert(
+                format!("q{i}/{inst}"),
+                (m.longest_matched, m.gpu, m.cpu, m.disk),
+            );
+        }
+    }
+    let mut blocks: Vec<(String, u32, u64)> = hub
+        .worker_views()
+        .into_iter()
+        .map(|w| (w.instance_id, w.dp_rank, w.blocks))
+        .collect();
+    blocks.sort();
+    format!("{out:?} {blocks:?}")
+}
+
+/// Waits until `a`'s signature equals `b`'s (and is not empty), or fails with both.
+async fn converge(a: &AppState, b: &AppState, prompts: &[Vec<u32>]) {
+    let until = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let (sa, sb) = (signature(&a.read(), prompts), signature(&b.read(), prompts));
+        if sa == sb {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "indexes differ after {DEADLINE:?}:\n{sa}\n{sb}"
+        );
+        let _ = a.wait_until(Duration::from_millis(100), |_| false).await;
+    }
+}
+
+/// Waits for `cond` on a collector's index, nudging `p` (an empty batch makes a collector
+/// that missed the start of the stream replay).
+async fn until(state: &AppState, p: &mut Publisher, cond: impl FnMut(&Hub) -> bool) {
+    common::eventually(state, Some(p), cond).await;
+}
+
+/// A deterministic mix of stores, removals and a clear on two engines (vLLM and SGLang).
+/// Returns the prompts the signature queries.
+fn traffic(a: &Publisher, b: &Publisher, round: u32, batches: u32) -> Vec<Vec<u32>> {
+    let mut prompts = Vec::new();
+    for i in 0..batches {
+        let base = round * 100_000 + i * 1000;
+        let t = tokens(base + 1, 32);
+        let h = u64::from(base) * 10 + 1;
+        a.publish_events(&[stored(None, h, &t, 4)]);
+        b.publish_events(&[stored(None, h + 5_000_000, &t[..16], 4)]);
+        if i % 3 == 1 && i + 1 < batches {
+            // Cut a's chain after 2 blocks (never the last prompt's: the tests wait on it).
+            a.publish_events(&[KvEvent::BlockRemoved {
+                hashes: vec![EngineHash(h + 2)],
+                tier: Tier::Gpu,
+            }]);
+        }
+        prompts.push(t);
+    }
+    prompts
+}
+
+async fn registered(state: &AppState, n: usize) {
+    assert!(
+        state
+            .wait_until(DEADLINE, |h| h
+                .workers()
+                .filter(|w| w.source.is_none())
+                .count()
+                == n)
+            .await,
+        "registrations did not arrive"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn index_replicas_agree_with_each_other_and_with_direct_zmq() {
+    let nats = Nats::start().await;
+    let url = Nats::url(nats.port);
+    let ingest = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
+    let direct = Collector::start(config(None)).await;
+    let r1 = Collector::start(config(Some(bus(&url, Role::Index, "r1")))).await;
+    let r2 = Collector::start(config(Some(bus(&url, Role::Index, "r2")))).await;
+    let mut a = publisher(EventFormat::Vllm033, ReplayShape::New).await;
+    let mut b = publisher(EventFormat::Sglang, ReplayShape::New).await;
+    for (name, p) in [("a", &a), ("b", &b)] {
+        ingest
+            .state
+            .register(registration(name, p, M, None, 4))
+            .unwrap();
+        direct
+            .state
+            .register(registration(name, p, M, None, 4))
+            .unwrap();
+    }
+    registered(&r1.state, 2).await;
+    registered(&r2.state, 2).await;
+    let mut prompts = traffic(&a, &b, 0, 30);
+    let last = prompts[29].clone();
+    for c in [&ingest, &direct] {
+        until(&c.state, &mut a, |h| {
+            common::longest(h, &last, M, None, "a") == 32
+        })
+        .await;
+        until(&c.state, &mut b, |h| {
+            common::longest(h, &last, M, None, "b") == 16
+        })
+        .await;
+    }
+    // A clear on a: every block of a goes.
+    a.publish_events(&[KvEvent::AllBlocksCleared]);
+    prompts.extend(traffic(&a, &b, 1, 5));
+    let last = prompts.last().unwrap().clone();
+    for c in [&ingest, &direct] {
+        until(&c.state, &mut a, |h| {
+            common::longest(h, &last, M, None, "a") == 32
+                && common::longest(h, &prompts[0], M, None, "a") == 0
+        })
+        .await;
+        until(&c.state, &mut b, |h| {
+            common::longest(h, &last, M, None, "b") == 16
+        })
+        .await;
+    }
+    converge(&ingest.state, &direct.state, &prompts).await;
+    converge(&r1.state, &direct.state, &prompts).await;
+    converge(&r2.state, &direct.state, &prompts).await;
+    converge(&r1.state, &r2.state, &prompts).await;
+    assert!(signature(&r1.state.read(), &prompts).contains("q34/a"));
+    assert!(r1.bus_count("in", "applied") > 0);
+    assert_eq!(r1.bus_count("in", "undecodable"), 0);
+    assert_eq!(ingest.bus_count("out", "outbox_full"), 0);
+    // An unregistration on a replica reaches the ingest side and the other replica.
+    r2.state
+        .unregister(&kvroute::api::UnregisterRequest {
+            instance_id: "b".into(),
+            model_name: M.into(),
+            tenant_id: None,
+            dp_rank: None,
+        })
+        .unwrap();
+    registered(&ingest.state, 1).await;
+    registered(&r1.state, 1).await;
+    for c in [r1, r2, ingest, direct] {
+        c.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_index_replica_resumes_from_its_durable_consumer() {
+    let nats = Nats::start().await;
+    let url = Nats::url(nats.port);
+    let dir = tempfile::tempdir().unwrap();
+    let replica_config = || Config {
+        state_dir: Some(dir.path().to_owned()),
+        ..config(Some(bus(&url, Role::Index, "restarting")))
+    };
+    let ingest = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
+    let r = Collector::start(replica_config()).await;
+    let mut a = publisher(EventFormat::Vllm023, ReplayShape::Old).await;
+    let mut b = publisher(EventFormat::SglangLegacy, ReplayShape::New).await;
+    ingest
+        .state
+        .register(registration("a", &a, M, None, 4))
+        .unwrap();
+    ingest
+        .state
+        .register(registration("b", &b, M, None, 4))
+        .unwrap();
+    registered(&r.state, 2).await;
+    let mut prompts = traffic(&a, &b, 0, 40);
+    let last = prompts[39].clone();
+    until(&ingest.state, &mut a, |h| {
+        common::longest(h, &last, M, None, "a") == 32
+    })
+    .await;
+    until(&ingest.state, &mut b, |h| {
+        common::longest(h, &last, M, None, "b") == 16
+    })
+    .await;
+    converge(&r.state, &ingest.state, &prompts).await;
+    let first_run = r.bus_count("in", "applied");
+    r.stop().await;
+    // While the replica is away: more events, into the stream only.
+    prompts.extend(traffic(&a, &b, 1, 5));
+    let last = prompts.last().unwrap().clone();
+    until(&ingest.state, &mut a, |h| {
+        common::longest(h, &last, M, None, "a") == 32
+    })
+    .await;
+    until(&ingest.state, &mut b, |h| {
+        common::longest(h, &last, M, None, "b") == 16
+    })
+    .await;
+    let r = Collector::start(replica_config()).await;
+    converge(&r.state, &ingest.state, &prompts).await;
+    // It resumed after what it had acknowledged: the first run's batches were not applied again.
+    let second_run = r.bus_count("in", "applied");
+    assert!(
+        second_run < first_run / 2,
+        "the restarted replica applied {second_run} messages (first run: {first_run}): not resumed"
+    );
+    r.stop().await;
+    ingest.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_on_the_bus_is_counted_and_skipped() {
+    let nats = Nats::start().await;
+    let url = Nats::url(nats.port);
+    // The ingest side makes the stream (limit 1 MiB); this replica reads only 4 KiB messages.
+    let ingest = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
+    let r = Collector::start(config(Some(BusConfig {
+        max_message_bytes: 4096,
+        ..bus(&url, Role::Index, "strict")
+    })))
+    .await;
+    let mut a = publisher(EventFormat::Vllm033, ReplayShape::New).await;
+    ingest
+        .state
+        .register(registration("a", &a, M, None, 4))
+        .unwrap();
+    registered(&r.state, 1).await;
+    let t = tokens(1, 16);
+    a.publish_events(&[stored(None, 10, &t, 4)]);
+    until(&ingest.state, &mut a, |h| {
+        common::longest(h, &t, M, None, "a") == 16
+    })
+    .await;
+    converge(&r.state, &ingest.state, std::slice::from_ref(&t)).await;
+
+    let client = async_nats::connect(&url).await.expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let subject = "kvroute.events.test.x-dp0";
+    let publish = |body: Bytes| {
+        let js = js.clone();
+        async move {
+            js.publish(subject, body)
+                .await
+                .expect("publish")
+                .await
+                .expect("ack");
+        }
+    };
+    // Not an envelope.
+    publish(Bytes::from_static(b"\xc1garbage")).await;
+    // An envelope whose batch is not msgpack (a's next sequence number).
+    publish(wire::encode(wire::Kind::Batch, 1, 0, "a", b"\xc1\xc1")).await;
+    // A worker nobody registered.
+    publish(wire::encode(wire::Kind::Connected, 0, 0, "nobody", b"")).await;
+    // Over this replica's limit (the stream takes it).
+    let big_payload = vec![0u8; 8192];
+    publish(wire::encode(wire::Kind::Batch, 2, 0, "a", &big_payload)).await;
+    // A real batch of a, after a jump in its sequence numbers: counted as a gap, applied.
+    let t2 = tokens(500, 8);
+    let payload = kvroute_sim::wire::encode_events(
+        EventFormat::Vllm033,
+        kvroute_sim::wire::Extras::engine(EventFormat::Vllm033),
+        1.0,
+        &[stored(None, 77, &t2, 4)],
+        None,
+    );
+    publish(wire::encode(wire::Kind::Batch, 5000, 0, "a", &payload)).await;
+    assert!(
+        r.state
+            .wait_until(DEADLINE, |h| common::longest(h, &t2, M, None, "a") == 8)
+            .await,
+        "the good batch after the bad ones was not applied"
+    );
+    assert_eq!(r.bus_count("in", "undecodable"), 2);
+    assert_eq!(r.bus_count("in", "unknown_worker"), 1);
+    assert_eq!(r.bus_count("in", "too_large"), 1);
+    assert_eq!(r.bus_count("in", "gap"), 1);
+    // Still serving, and the first batch is still there.
+    assert_eq!(common::longest(&r.state.read(), &t, M, None, "a"), 16);
+    assert_eq!(r.health().await["status"], "ok");
+    r.stop().await;
+    ingest.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_down_at_start_and_mid_run() {
+    let mut nats = Nats::later();
+    let url = Nats::url(nats.port);
+    // Down at start: the collector starts, reads its engine over ZMQ, serves, says degraded.
+    let both = Collector::start(config(Some(bus(&url, Role::Both, "unused")))).await;
+    let mut a = publisher(EventFormat::Vllm033, ReplayShape::New).await;
+    both.state
+        .register(registration("a", &a, M, None, 4))
+        .unwrap();
+    let t1 = tokens(1, 16);
+    a.publish_events(&[stored(None, 10, &t1, 4)]);
+    until(&both.state, &mut a, |h| {
+        common::longest(h, &t1, M, None, "a") == 16
+    })
+    .await;
+    let h = both.health().await;
+    assert_eq!(h["status"], "degraded", "{h}");
+    assert!(
+        h["reasons"].to_string().contains("nats: not connected"),
+        "{h}"
+    );
+
+    // NATS comes: the outbox drains, an index replica builds the same index.
+    nats.up().await;
+    let r = Collector::start(config(Some(bus(&url, Role::Index, "r")))).await;
+    converge(&r.state, &both.state, std::slice::from_ref(&t1)).await;
+    wait_health(&both, "ok").await;
+    wait_health(&r, "ok").await;
+
+    // NATS goes mid-run: both keep serving; the replica keeps what it has.
+    nats.down();
+    wait_health(&both, "degraded").await;
+    wait_health(&r, "degraded").await;
+    let t2 = tokens(1000, 16);
+    a.publish_events(&[stored(None, 20, &t2, 4)]);
+    until(&both.state, &mut a, |h| {
+        common::longest(h, &t2, M, None, "a") == 16
+    })
+    .await;
+    assert_eq!(common::longest(&r.state.read(), &t1, M, None, "a"), 16);
+    let q = reqwest::Client::new()
+        .post(format!("http://{}/query", r.addr))
+        .json(&serde_json::json!({ "token_ids": t1, "model_name": M }))
+        .send()
+        .await
+        .expect("query while NATS is down");
+    assert!(q.status().is_success());
+
+    // NATS back: the replica catches up from the stream.
+    nats.up().await;
+    converge(&r.state, &both.state, &[t1.clone(), t2.clone()]).await;
+    wait_health(&both, "ok").await;
+    wait_health(&r, "ok").await;
+    r.stop().await;
+    both.stop().await;
+}
+
+async fn wait_health(c: &Collector, want: &str) {
+    let until = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let h = c.health().await;
+        if h["status"] == want {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "health not {want} within {DEADLINE:?}: {h}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
