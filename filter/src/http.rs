@@ -403,11 +403,12 @@ impl Http {
                 return Action::Continue;
             }
         };
-        let Ok(mut cache) = vm.cache.try_borrow_mut() else {
+        let Ok(mut cache_guard) = vm.cache.try_borrow_mut() else {
             self.finish(vm, Outcome::NoMatch);
             return Action::Continue;
         };
-        cache.refresh(&store, &vm.keys, &state);
+        cache_guard.refresh(&store, &vm.keys, &state);
+        let cache = &mut *cache_guard;
         let (model, lora) = cache.meta.resolve(tenant, served);
         let Some(block_size) = cache.meta.block_size(tenant, model) else {
             self.finish(vm, Outcome::NoMatch);
@@ -427,10 +428,19 @@ impl Http {
             Res::Done(Some(Tok::Body(s, e))) => body_tokens.get(s..e).unwrap_or_default(),
             _ => &[],
         };
+        // Buckets this VM read under the same sync state are not read again; the cache is
+        // lent to the view and put back below.
+        let mut buckets = std::mem::take(&mut cache.buckets);
         // Sequence hashes are computed lazily, as deep as the bisection looks, and block
         // keys only for the depths it reads (see `PrefixView`).
         let view = PrefixView::new(
-            BucketView::new(&store, &vm.keys, &state, cfg.limits.buckets_log2),
+            BucketView::with_cache(
+                &store,
+                &vm.keys,
+                &state,
+                cfg.limits.buckets_log2,
+                &mut buckets,
+            ),
             tokens,
             block_size as usize,
             seed,
@@ -476,7 +486,7 @@ impl Http {
             Ok(mut rng) => router::route(field, query, &picture, &cfg.policy, &mut *rng).verdict,
             Err(_) => Verdict::NoMatch,
         };
-        drop(cache);
+        drop(cache_guard);
         vm.timing.lap(&mut self.clock, Timed::Decision);
         if let (true, Verdict::Route { target, .. }) = (spec, &verdict) {
             if let Some(slot) = target.slot() {
@@ -486,6 +496,9 @@ impl Http {
         vm.timing.lap(&mut self.clock, Timed::Books);
         let reads = view.reads();
         *seqs = view.into_seqs();
+        if let Ok(mut cache) = vm.cache.try_borrow_mut() {
+            cache.buckets = buckets;
+        }
         self.reads = reads + 2;
         host::record_metric(vm.metrics.lookup_reads, reads as u64);
         self.conclude(vm, cfg, picture, verdict, block_size);

@@ -105,6 +105,8 @@ pub(crate) struct MetaCache {
     pub key: Option<(u8, u32, u32)>,
     pub meta: Meta,
     pub roster: Roster,
+    /// Bucket values read under the current sync state (`kvroute::mirror::BucketCache`).
+    pub buckets: kvroute::mirror::BucketCache,
 }
 
 impl MetaCache {

@@ -60,7 +60,7 @@ pub use store::{update_value, MemStore, Store, StoreError};
 pub use sync::{
     acquire_lease, apply_page, next_vm_id, read_state, Applied, Build, Lease, SyncError, SyncState,
 };
-pub use views::{depth_keys, BucketView, Depth, PrefixView};
+pub use views::{depth_keys, BucketCache, BucketView, Depth, PrefixView};
 
 #[cfg(test)]
 mod load_tests;

@@ -524,3 +524,60 @@ fn the_fleet_value_round_trips_and_takes_pages_as_the_whole_picture() {
     .unwrap();
     assert_eq!(read_fleet(&store, &keys), f);
 }
+
+#[test]
+fn bucket_cache_serves_repeat_reads_until_the_index_moves() {
+    let store = MemStore::new();
+    let keys = Keys::new("t");
+    let l = limits(4);
+    let ops = vec![
+        worker(0, "a", 0),
+        worker(1, "b", 0),
+        blocks(0, Tier::Gpu, true, &[1 << 60, 2 << 60, 3 << 60]),
+        blocks(1, Tier::Gpu, true, &[1 << 60]),
+    ];
+    apply_page(&store, &keys, &l, &page(Page::RESET, 1, 1, ops), 0).unwrap();
+    let mut cache = BucketCache::default();
+    let lookup = |cache: &mut BucketCache, k: u64| {
+        let (st, _) = read_state(&store, &keys).unwrap();
+        let before = store.reads();
+        let view = BucketView::with_cache(&store, &keys, &st, l.buckets_log2, cache);
+        let mut got = Vec::new();
+        view.holders(BlockKey(k), &mut got);
+        let mut want = Vec::new();
+        BucketView::new(&store, &keys, &st, l.buckets_log2).holders(BlockKey(k), &mut want);
+        assert_eq!(got, want, "the cache reads what the store holds");
+        assert_eq!(view.reads(), 1);
+        (store.reads() - before - 1, view.cached())
+    };
+    // First read: from the store; the same bucket again (any key in it): from the cache.
+    assert_eq!(lookup(&mut cache, 1 << 60), (1, 0));
+    assert_eq!(lookup(&mut cache, 1 << 60), (0, 1));
+    assert_eq!(
+        lookup(&mut cache, (1 << 60) + 5),
+        (0, 1),
+        "an absent key, same bucket"
+    );
+    assert_eq!(
+        lookup(&mut cache, 9 << 60),
+        (1, 0),
+        "an empty bucket is read once"
+    );
+    assert_eq!(lookup(&mut cache, 9 << 60), (0, 1));
+    // A sync that changes nothing but the sync time keeps the entries.
+    apply_page(&store, &keys, &l, &page(0, 1, 1, vec![]), 5).unwrap();
+    assert_eq!(lookup(&mut cache, 1 << 60), (0, 1));
+    // A page that moves the cursor drops them: the new holder is seen at once.
+    let ops = vec![blocks(1, Tier::Gpu, true, &[2 << 60])];
+    apply_page(&store, &keys, &l, &page(0, 1, 2, ops), 10).unwrap();
+    assert_eq!(lookup(&mut cache, 2 << 60), (1, 0));
+    assert_eq!(cache.len(), 1);
+    // Bounded: past the limit the cache starts over.
+    let (st, _) = read_state(&store, &keys).unwrap();
+    let view = BucketView::with_cache(&store, &keys, &st, 16, &mut cache);
+    for k in 0..=BucketCache::MAX_ENTRIES as u64 {
+        view.holders(BlockKey(k << 48), &mut Vec::new());
+    }
+    drop(view);
+    assert!(cache.len() <= BucketCache::MAX_ENTRIES);
+}

@@ -13,6 +13,51 @@ use super::keys::{bucket_of, Keys};
 use super::store::Store;
 use super::sync::SyncState;
 
+/// Bucket values one VM has read, kept while the active index is unchanged: a request that
+/// probes a bucket an earlier request of the same VM read (the same prompt, a shared prefix,
+/// another block that falls in it) costs no shared-data read, until the lease holder applies
+/// the next page.
+///
+/// The entries are valid for one sync state, its sync time aside ([`BucketCache::sync`]):
+/// the lease holder writes a page's buckets before the state that moves the cursor, so a
+/// state a reader sees unchanged has no newer bucket writes behind it (a page cut short by a
+/// host failure is written again, with the cursor move, at the next pull). Bounded: when
+/// [`BucketCache::MAX_ENTRIES`] buckets are held, the next one empties it.
+#[derive(Debug, Default)]
+pub struct BucketCache {
+    /// The sync state the entries were read under, with `synced_at_ms` zeroed.
+    state: Option<SyncState>,
+    /// Bucket index → its value (`None`: the key holds nothing).
+    entries: hashbrown::HashMap<u32, Option<Vec<u8>>>,
+}
+
+impl BucketCache {
+    /// Most bucket values held (about 1 KB each with the default limits).
+    pub const MAX_ENTRIES: usize = 512;
+
+    /// Keeps the entries if `state` is the one they were read under, else drops them.
+    pub fn sync(&mut self, state: &SyncState) {
+        let tag = SyncState {
+            synced_at_ms: 0,
+            ..*state
+        };
+        if self.state != Some(tag) {
+            self.entries.clear();
+            self.state = Some(tag);
+        }
+    }
+
+    /// Bucket values held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no bucket value is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
 /// The request path's view of the active generation: a [`HolderView`] over the buckets that
 /// counts its reads.
 #[derive(Debug)]
@@ -25,6 +70,9 @@ pub struct BucketView<'a, S: Store> {
     key_buf: RefCell<String>,
     reads: Cell<u32>,
     errors: Cell<u32>,
+    /// Reads answered from `cache` (counted in `reads` too).
+    cached: Cell<u32>,
+    cache: Option<RefCell<&'a mut BucketCache>>,
 }
 
 impl<'a, S: Store> BucketView<'a, S> {
@@ -39,7 +87,30 @@ impl<'a, S: Store> BucketView<'a, S> {
             key_buf: RefCell::new(String::with_capacity(keys.prefix().len() + 16)),
             reads: Cell::new(0),
             errors: Cell::new(0),
+            cached: Cell::new(0),
+            cache: None,
         }
+    }
+
+    /// The same view, reading through `cache` (synced to `state` here): a bucket already in
+    /// it is not read from the store again.
+    pub fn with_cache(
+        store: &'a S,
+        keys: &'a Keys,
+        state: &SyncState,
+        buckets_log2: u8,
+        cache: &'a mut BucketCache,
+    ) -> Self {
+        cache.sync(state);
+        BucketView {
+            cache: Some(RefCell::new(cache)),
+            ..BucketView::new(store, keys, state, buckets_log2)
+        }
+    }
+
+    /// Reads answered from the cache (each also counted in [`BucketView::reads`]).
+    pub fn cached(&self) -> u32 {
+        self.cached.get()
     }
 
     /// Shared-data reads so far.
@@ -55,20 +126,41 @@ impl<'a, S: Store> BucketView<'a, S> {
 
 impl<S: Store> HolderView for BucketView<'_, S> {
     fn holders(&self, key: BlockKey, out: &mut Vec<(WorkerId, TierMask)>) {
+        let idx = bucket_of(key, self.buckets_log2);
+        self.reads.set(self.reads.get() + 1);
+        let mut cache = self.cache.as_ref().and_then(|c| c.try_borrow_mut().ok());
+        if let Some(value) = cache.as_ref().and_then(|c| c.entries.get(&idx)) {
+            self.cached.set(self.cached.get() + 1);
+            if let Some(b) = value
+                .as_deref()
+                .and_then(|v| BucketRef::parse(v, self.stamp))
+            {
+                b.holders_into(key, out);
+            }
+            return;
+        }
         let Ok(mut buf) = self.key_buf.try_borrow_mut() else {
             return;
         };
-        self.keys
-            .bucket_into(self.gen, bucket_of(key, self.buckets_log2), &mut buf);
-        self.reads.set(self.reads.get() + 1);
-        match self.store.get(&buf) {
-            Ok((Some(v), _)) => {
-                if let Some(b) = BucketRef::parse(&v, self.stamp) {
-                    b.holders_into(key, out);
-                }
+        self.keys.bucket_into(self.gen, idx, &mut buf);
+        let value = match self.store.get(&buf) {
+            Ok((v, _)) => v,
+            Err(_) => {
+                self.errors.set(self.errors.get() + 1);
+                return;
             }
-            Ok((None, _)) => {}
-            Err(_) => self.errors.set(self.errors.get() + 1),
+        };
+        if let Some(b) = value
+            .as_deref()
+            .and_then(|v| BucketRef::parse(v, self.stamp))
+        {
+            b.holders_into(key, out);
+        }
+        if let Some(c) = cache.as_mut() {
+            if c.entries.len() >= BucketCache::MAX_ENTRIES {
+                c.entries.clear();
+            }
+            c.entries.insert(idx, value);
         }
     }
 }
@@ -128,6 +220,11 @@ impl<'a, S: Store> PrefixView<'a, S> {
     /// Shared-data reads so far.
     pub fn reads(&self) -> u32 {
         self.inner.reads()
+    }
+
+    /// Of [`PrefixView::reads`], those answered from the VM's bucket cache.
+    pub fn cached(&self) -> u32 {
+        self.inner.cached()
     }
 
     /// The sequence-hash buffer, for reuse by the next request.
