@@ -15,6 +15,20 @@
 //! - `no_model`: a gateway's `no_model` count for a model name (the optional `no_model` map
 //!   of its `POST /v1/load` report) grew within the last [`NO_MODEL_WINDOW`]: requests name a
 //!   model no engine is registered for (an alias, a typo, the served name differs).
+//! - `hash_mismatch`: the truth check ([`crate::truth`]) over its window: the tokens kvroute
+//!   predicted as cached on an engine and the tokens the engine says it reused differ by more
+//!   than `--hash-mismatch-factor` (above `--hash-mismatch-min-tokens`); or the engine's own
+//!   block size (`vllm:cache_config_info`) is not the registered one. The reason names the
+//!   likely causes ([`likely_causes`]), the evidence first.
+//! - `gateway_stale`: a gateway that reported stopped for `--alarm-gateway-stale-secs` (until
+//!   ten times that, when it is forgotten), or reports a feed lag that long.
+//! - `gateway_mismatch`: a gateway's filter version or hashing contract is not the
+//!   collector's (fields `version` and `contract` of its reports; absent fields are not
+//!   judged).
+//! - `text_approximate`: a gateway's text requests fall to approximate mode (its reported
+//!   `text` counters: at least [`TEXT_MIN_APPROX`] approximate decisions within
+//!   [`NO_MODEL_WINDOW`], a tenth of its text requests or more): no tokenizer for the model,
+//!   or a slow or failing `/tokenize`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -33,6 +47,11 @@ const MAX_MODEL_BYTES: usize = 256;
 /// Model names kept per report; the rest are ignored.
 const MAX_MODELS_PER_REPORT: usize = 64;
 
+/// Fewest approximate text decisions within the window for `text_approximate`.
+pub const TEXT_MIN_APPROX: u64 = 10;
+/// Most gateways remembered for the gateway alarms; over it the one silent longest goes.
+const MAX_GATEWAYS: usize = 256;
+
 /// Which alarm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[non_exhaustive]
@@ -41,16 +60,190 @@ pub enum AlarmKind {
     EngineSilent,
     /// Requests name a model no engine is registered for.
     NoModel,
+    /// kvroute's predicted reuse and the engine's reported reuse disagree.
+    HashMismatch,
+    /// A gateway stopped reporting, or its feed lags.
+    GatewayStale,
+    /// A gateway's filter version or hashing contract differs from the collector's.
+    GatewayMismatch,
+    /// A gateway's text requests fall to approximate mode.
+    TextApproximate,
 }
 
 impl AlarmKind {
+    /// Every alarm, in label order.
+    pub const ALL: [AlarmKind; 6] = [
+        AlarmKind::EngineSilent,
+        AlarmKind::NoModel,
+        AlarmKind::HashMismatch,
+        AlarmKind::GatewayStale,
+        AlarmKind::GatewayMismatch,
+        AlarmKind::TextApproximate,
+    ];
+
     /// The `alarm` label and the name `/health` shows.
     pub fn as_str(self) -> &'static str {
         match self {
             AlarmKind::EngineSilent => "engine_silent",
             AlarmKind::NoModel => "no_model",
+            AlarmKind::HashMismatch => "hash_mismatch",
+            AlarmKind::GatewayStale => "gateway_stale",
+            AlarmKind::GatewayMismatch => "gateway_mismatch",
+            AlarmKind::TextApproximate => "text_approximate",
         }
     }
+}
+
+/// A likely cause of a `hash_mismatch`, as `/health` and `/v1/explain` name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Cause {
+    /// The registered block size is not the engine's.
+    BlockSize,
+    /// The engine's prefix caching is off.
+    PrefixCachingOff,
+    /// Text requests tokenized (tokenizer or chat template) otherwise than the engine does.
+    Tokenizer,
+    /// Requests name the model otherwise than the engines' events do (an alias, a LoRA's
+    /// served name mapped to the wrong base).
+    ModelName,
+    /// A LoRA adapter in requests or events the other side does not carry.
+    Lora,
+    /// A cache salt in requests or in the engine's blocks the other side does not carry.
+    Salt,
+}
+
+impl Cause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cause::BlockSize => "block_size",
+            Cause::PrefixCachingOff => "prefix_caching_off",
+            Cause::Tokenizer => "tokenizer",
+            Cause::ModelName => "model_name",
+            Cause::Lora => "lora",
+            Cause::Salt => "salt",
+        }
+    }
+
+    /// One line on what to check.
+    pub fn hint(self) -> &'static str {
+        match self {
+            Cause::BlockSize => "the registered block_size differs from the engine's --block-size",
+            Cause::PrefixCachingOff => "the engine runs without --enable-prefix-caching",
+            Cause::Tokenizer => "text requests are tokenized with another tokenizer or chat template than the engine's (--tokenizer MODEL=DIR)",
+            Cause::ModelName => "requests name the model by another name than the registration's model_name (an alias, a LoRA's served name)",
+            Cause::Lora => "a LoRA adapter in requests or in the engine's events that the other side does not carry",
+            Cause::Salt => "a cache_salt in requests or in the engine's blocks that the other side does not carry",
+        }
+    }
+}
+
+/// One engine's truth-check reading with what the registry knows of it.
+#[derive(Clone, Debug)]
+pub struct TruthObservation {
+    pub subject: String,
+    pub tenant: String,
+    pub model: String,
+    /// The registration's block size.
+    pub block_size: u32,
+    /// The registration names a LoRA or a cache salt.
+    pub lora: bool,
+    pub salt: bool,
+    pub reading: crate::truth::Reading,
+}
+
+/// The likely causes of a truth-check disagreement on `o`, the ones with evidence first:
+/// `over` is kvroute predicting more reuse than the engine reports; `text_seen` says text
+/// requests were decided recently; `no_model` that requests name unregistered models.
+pub fn likely_causes(o: &TruthObservation, over: Option<bool>, text_seen: bool) -> Vec<Cause> {
+    let r = &o.reading;
+    if r.engine_block_size.is_some_and(|b| b != o.block_size) {
+        return vec![Cause::BlockSize];
+    }
+    if r.prefix_caching == Some(false) {
+        return vec![Cause::PrefixCachingOff];
+    }
+    let mut out = Vec::new();
+    if text_seen {
+        out.push(Cause::Tokenizer);
+    }
+    match over {
+        // The engine reuses less than kvroute predicts: it keys blocks by something the
+        // events do not show (a salt, an adapter), or requests land under the wrong scope.
+        Some(true) => out.extend([Cause::Salt, Cause::Lora, Cause::ModelName]),
+        // The engine reuses more: requests hash otherwise than the engine's blocks.
+        _ => {
+            if o.lora {
+                out.push(Cause::Lora);
+            }
+            if o.salt {
+                out.push(Cause::Salt);
+            }
+            out.extend([Cause::ModelName, Cause::Lora, Cause::Salt]);
+            if r.engine_block_size.is_none() {
+                out.push(Cause::BlockSize);
+            }
+        }
+    }
+    let mut seen = Vec::with_capacity(out.len());
+    out.retain(|c| {
+        let fresh = !seen.contains(c);
+        seen.push(*c);
+        fresh
+    });
+    out
+}
+
+/// What a gateway's reports say about itself (`POST /v1/load`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GatewayFacts {
+    /// Its filter's version (`None`: an older filter that does not say).
+    pub version: Option<String>,
+    /// Its hashing contract (`None`: not said).
+    pub contract: Option<String>,
+    /// How far behind the collector its feed is, ms.
+    pub feed_lag_ms: Option<u64>,
+    /// Its text counters, cumulative.
+    pub text: Option<TextCounts>,
+}
+
+/// A gateway's text-path counters (the filter's `kvroute.text.*`), cumulative.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+pub struct TextCounts {
+    #[serde(default)]
+    pub exact: u64,
+    #[serde(default)]
+    pub approx: u64,
+    #[serde(default)]
+    pub no_tokenizer: u64,
+    #[serde(default)]
+    pub exact_errors: u64,
+}
+
+/// The collector's side of the gateway checks.
+#[derive(Clone, Debug)]
+pub struct Expected {
+    pub version: String,
+    pub contract: String,
+    /// `gateway_stale` threshold.
+    pub stale_after: Duration,
+}
+
+#[derive(Debug)]
+struct GatewaySeen {
+    last: Instant,
+    facts: GatewayFacts,
+    /// Text counters as of each report within the window, oldest first.
+    text: std::collections::VecDeque<(Instant, TextCounts)>,
+}
+
+/// The inputs of one evaluation beyond the engines.
+#[derive(Clone, Debug, Default)]
+pub struct Extra {
+    pub truth: Vec<TruthObservation>,
+    pub truth_config: crate::truth::TruthConfig,
+    pub expected: Option<Expected>,
 }
 
 /// One raised alarm.
@@ -80,6 +273,8 @@ struct Inner {
     /// By (gateway, model): the last count reported and when it last grew. Bounded by
     /// [`MAX_TRACKED`]: over it, new pairs are not tracked.
     no_model: HashMap<(String, String), (u64, Option<Instant>)>,
+    /// By gateway id; bounded by [`MAX_GATEWAYS`].
+    gateways: HashMap<String, GatewaySeen>,
 }
 
 /// The alarms' memory between evaluations.
@@ -135,6 +330,57 @@ impl Alarms {
         }
     }
 
+    /// Takes what a gateway's report says of itself, at `now`.
+    pub fn note_gateway(&self, gateway: &str, facts: GatewayFacts, now: Instant) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if !inner.gateways.contains_key(gateway) && inner.gateways.len() >= MAX_GATEWAYS {
+            let oldest = inner
+                .gateways
+                .iter()
+                .min_by_key(|(_, g)| g.last)
+                .map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                inner.gateways.remove(&k);
+            }
+        }
+        let g = inner
+            .gateways
+            .entry(gateway.to_owned())
+            .or_insert_with(|| GatewaySeen {
+                last: now,
+                facts: GatewayFacts::default(),
+                text: Default::default(),
+            });
+        g.last = now;
+        if let Some(t) = facts.text {
+            // Keep one sample older than the window, to measure the whole window from.
+            while g.text.len() >= 2
+                && g.text
+                    .get(1)
+                    .is_some_and(|(at, _)| now.saturating_duration_since(*at) >= NO_MODEL_WINDOW)
+            {
+                g.text.pop_front();
+            }
+            if g.text.len() >= 256 {
+                g.text.pop_front();
+            }
+            g.text.push_back((now, t));
+        }
+        g.facts = facts;
+    }
+
+    /// Whether any gateway decided text requests within the window (a tokenizer is then a
+    /// possible cause of a truth-check disagreement).
+    pub fn text_seen(&self, now: Instant) -> bool {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.gateways.values().any(|g| {
+            let (first, last) = (g.text.front(), g.text.back());
+            matches!((first, last), (Some((_, a)), Some((at, b)))
+                if now.saturating_duration_since(*at) < NO_MODEL_WINDOW
+                    && b.exact + b.approx > a.exact + a.approx)
+        })
+    }
+
     /// Evaluates `engines` at `now` against `silent_after`; returns the alarms raised, sorted,
     /// and logs each change.
     pub fn evaluate(
@@ -143,6 +389,18 @@ impl Alarms {
         silent_after: Duration,
         now: Instant,
     ) -> Vec<Alarm> {
+        self.evaluate_all(engines, silent_after, &Extra::default(), now)
+    }
+
+    /// [`Alarms::evaluate`] with every other alarm's inputs.
+    pub fn evaluate_all(
+        &self,
+        engines: &[EngineObservation],
+        silent_after: Duration,
+        extra: &Extra,
+        now: Instant,
+    ) -> Vec<Alarm> {
+        let text_seen = self.text_seen(now);
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let mut raised = BTreeMap::new();
         let mut seen = HashMap::with_capacity(engines.len().min(MAX_TRACKED));
@@ -194,6 +452,22 @@ impl Alarms {
             };
             raised.insert((a.kind, a.subject.clone()), a);
         }
+        for o in &extra.truth {
+            if let Some(a) = hash_mismatch(o, &extra.truth_config, text_seen) {
+                raised.insert((a.kind, a.subject.clone()), a);
+            }
+        }
+        if let Some(exp) = &extra.expected {
+            let forget = exp.stale_after.saturating_mul(10);
+            inner
+                .gateways
+                .retain(|_, g| now.saturating_duration_since(g.last) < forget);
+            for (id, g) in &inner.gateways {
+                for a in gateway_alarms(id, g, exp, now) {
+                    raised.insert((a.kind, a.subject.clone()), a);
+                }
+            }
+        }
         for (key, a) in &raised {
             if !inner.raised.contains_key(key) {
                 warn!(alarm = key.0.as_str(), subject = %key.1, reason = %a.reason, "alarm raised");
@@ -209,6 +483,124 @@ impl Alarms {
         inner.raised = raised;
         out
     }
+}
+
+fn hash_mismatch(
+    o: &TruthObservation,
+    cfg: &crate::truth::TruthConfig,
+    text_seen: bool,
+) -> Option<Alarm> {
+    let r = &o.reading;
+    let wrong_size = r.engine_block_size.filter(|b| *b != o.block_size);
+    let over = r.mismatch(cfg);
+    if over.is_none() && wrong_size.is_none() {
+        return None;
+    }
+    let causes = likely_causes(o, over, text_seen);
+    let names: Vec<String> = causes
+        .iter()
+        .map(|c| match (c, wrong_size) {
+            (Cause::BlockSize, Some(b)) => {
+                format!("block_size (registered {}, the engine's {b})", o.block_size)
+            }
+            _ => c.as_str().to_owned(),
+        })
+        .collect();
+    let what = match (over, r.engine_tokens) {
+        (Some(_), Some(e)) => format!(
+            "kvroute predicted {} cached tokens on {} over the last {} s, the engine reports {e} reused on those requests",
+            r.predicted_tokens,
+            o.subject,
+            cfg.window.as_secs()
+        ),
+        _ => format!(
+            "{} ({}/{}) is registered with block_size {} and the engine's is {}",
+            o.subject,
+            o.tenant,
+            o.model,
+            o.block_size,
+            wrong_size.unwrap_or(0)
+        ),
+    };
+    Some(Alarm {
+        kind: AlarmKind::HashMismatch,
+        subject: o.subject.clone(),
+        reason: format!(
+            "hash_mismatch: {what}; likely causes: {} ({})",
+            names.join(", "),
+            causes.first().map_or("", |c| c.hint())
+        ),
+    })
+}
+
+fn gateway_alarms(id: &str, g: &GatewaySeen, exp: &Expected, now: Instant) -> Vec<Alarm> {
+    let mut out = Vec::new();
+    let age = now.saturating_duration_since(g.last);
+    let lag = g.facts.feed_lag_ms.map(Duration::from_millis);
+    if age >= exp.stale_after {
+        out.push(Alarm {
+            kind: AlarmKind::GatewayStale,
+            subject: id.to_owned(),
+            reason: format!(
+                "gateway_stale: gateway {id} sent no load report for {:.0} s (Envoy down, the filter's lease holder stuck, the collector unreachable from it); it is forgotten after {:.0} s",
+                age.as_secs_f64(),
+                exp.stale_after.saturating_mul(10).as_secs_f64()
+            ),
+        });
+    } else if let Some(lag) = lag.filter(|l| *l >= exp.stale_after) {
+        out.push(Alarm {
+            kind: AlarmKind::GatewayStale,
+            subject: id.to_owned(),
+            reason: format!(
+                "gateway_stale: gateway {id} routes on a feed {:.0} s old (feed pulls failing or too slow: kvroute.feed_errors, the filter's feed_timeout)",
+                lag.as_secs_f64()
+            ),
+        });
+    }
+    let mut differs = Vec::new();
+    if let Some(v) = g.facts.version.as_deref().filter(|v| *v != exp.version) {
+        differs.push(format!("filter version {v}, collector {}", exp.version));
+    }
+    if let Some(c) = g.facts.contract.as_deref().filter(|c| *c != exp.contract) {
+        differs.push(format!("hashing contract {c}, collector {}", exp.contract));
+    }
+    if !differs.is_empty() {
+        out.push(Alarm {
+            kind: AlarmKind::GatewayMismatch,
+            subject: id.to_owned(),
+            reason: format!(
+                "gateway_mismatch: gateway {id} runs {}; deploy the filter built with this collector",
+                differs.join("; ")
+            ),
+        });
+    }
+    if let (Some((_, a)), Some((at, b))) = (g.text.front(), g.text.back()) {
+        let approx = b.approx.saturating_sub(a.approx);
+        let total = approx + b.exact.saturating_sub(a.exact);
+        if now.saturating_duration_since(*at) < NO_MODEL_WINDOW
+            && approx >= TEXT_MIN_APPROX
+            && approx.saturating_mul(10) >= total
+        {
+            let no_tok = b.no_tokenizer.saturating_sub(a.no_tokenizer);
+            let errors = b.exact_errors.saturating_sub(a.exact_errors);
+            let why = if no_tok > 0 {
+                "the collector has no tokenizer for the model (--tokenizer MODEL=DIR)"
+            } else if errors > 0 {
+                "the collector's tokenizing callout fails or times out (slow /tokenize, the filter's text timeout)"
+            } else {
+                "no tokenizer, or a slow or failing tokenizing callout"
+            };
+            out.push(Alarm {
+                kind: AlarmKind::TextApproximate,
+                subject: id.to_owned(),
+                reason: format!(
+                    "text_approximate: gateway {id} decided {approx} of {total} text requests in approximate mode in the last {} s ({no_tok} no tokenizer, {errors} callout errors): {why}",
+                    NO_MODEL_WINDOW.as_secs()
+                ),
+            });
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -255,6 +647,73 @@ mod tests {
         alarms.note_no_model("gw", &counts(2), t0 + NO_MODEL_WINDOW);
         assert!(alarms
             .evaluate(&[], Duration::MAX, t0 + NO_MODEL_WINDOW)
+            .is_empty());
+    }
+
+    fn truth_obs(predicted: u64, engine: u64, engine_bs: Option<u32>) -> TruthObservation {
+        TruthObservation {
+            subject: "e/0".into(),
+            tenant: "default".into(),
+            model: "m".into(),
+            block_size: 16,
+            lora: false,
+            salt: true,
+            reading: crate::truth::Reading {
+                worker: WorkerId(1),
+                predicted_tokens: predicted,
+                routed_tokens: 100_000,
+                engine_rate: Some(engine as f64 / 100_000.0),
+                engine_tokens: Some(engine),
+                engine_block_size: engine_bs,
+                prefix_caching: Some(true),
+            },
+        }
+    }
+
+    #[test]
+    fn likely_causes_put_the_evidence_first() {
+        let under = truth_obs(0, 50_000, None);
+        assert_eq!(
+            likely_causes(&under, Some(false), true),
+            [
+                Cause::Tokenizer,
+                Cause::Salt,
+                Cause::ModelName,
+                Cause::Lora,
+                Cause::BlockSize
+            ]
+        );
+        let over = truth_obs(50_000, 0, Some(16));
+        assert_eq!(
+            likely_causes(&over, Some(true), false),
+            [Cause::Salt, Cause::Lora, Cause::ModelName]
+        );
+        let wrong = truth_obs(0, 0, Some(32));
+        assert_eq!(likely_causes(&wrong, None, true), [Cause::BlockSize]);
+    }
+
+    #[test]
+    fn hash_mismatch_raises_off_the_factor_and_clears_within_it() {
+        let alarms = Alarms::default();
+        let t0 = Instant::now();
+        let extra = |p, e| Extra {
+            truth: vec![truth_obs(p, e, Some(16))],
+            ..Extra::default()
+        };
+        let raised = alarms.evaluate_all(&[], Duration::MAX, &extra(1000, 50_000), t0);
+        assert_eq!(raised.len(), 1);
+        assert_eq!(raised[0].kind, AlarmKind::HashMismatch);
+        assert!(
+            raised[0].reason.contains("likely causes: salt"),
+            "{}",
+            raised[0].reason
+        );
+        assert!(alarms
+            .evaluate_all(&[], Duration::MAX, &extra(40_000, 50_000), t0)
+            .is_empty());
+        // Under the volume floor nothing is judged, however far apart.
+        assert!(alarms
+            .evaluate_all(&[], Duration::MAX, &extra(0, 4000), t0)
             .is_empty());
     }
 

@@ -153,6 +153,18 @@ pub struct Cli {
     /// Alarm `engine_silent` when an engine serving traffic sent no KV event for this long, seconds [default: 300].
     #[arg(long, value_name = "SECS")]
     pub alarm_silent_secs: Option<f64>,
+    /// The truth check's sliding window: kvroute's predicted cached tokens against the engines' reported reuse, seconds [default: 60].
+    #[arg(long, value_name = "SECS")]
+    pub truth_window_secs: Option<f64>,
+    /// Alarm `hash_mismatch` when predicted and engine-reported reuse differ by more than this factor either way (over 1) [default: 2].
+    #[arg(long, value_name = "FACTOR")]
+    pub hash_mismatch_factor: Option<f64>,
+    /// ... and the larger of the two reached this many tokens within the window [default: 4096].
+    #[arg(long, value_name = "TOKENS")]
+    pub hash_mismatch_min_tokens: Option<u64>,
+    /// Alarm `gateway_stale` when a gateway that reported stops for this long, or reports a feed lag this long, seconds [default: 30].
+    #[arg(long, value_name = "SECS")]
+    pub alarm_gateway_stale_secs: Option<f64>,
     /// Largest engine /metrics page read; reading stops there [default: 1048576].
     #[arg(long, value_name = "BYTES")]
     pub max_metrics_bytes: Option<usize>,
@@ -216,6 +228,10 @@ pub struct FileConfig {
     pub engine_stale_secs: Option<f64>,
     pub engine_down_secs: Option<f64>,
     pub alarm_silent_secs: Option<f64>,
+    pub truth_window_secs: Option<f64>,
+    pub hash_mismatch_factor: Option<f64>,
+    pub hash_mismatch_min_tokens: Option<u64>,
+    pub alarm_gateway_stale_secs: Option<f64>,
     pub max_metrics_bytes: Option<usize>,
     #[serde(default, alias = "tokenizers")]
     pub tokenizer: Vec<String>,
@@ -290,6 +306,10 @@ pub struct Config {
     pub engine_down: Duration,
     /// Alarm `engine_silent` after an engine served traffic this long without a KV event.
     pub alarm_silent: Duration,
+    /// The truth check: window, `hash_mismatch` factor and volume floor.
+    pub truth: crate::truth::TruthConfig,
+    /// Alarm `gateway_stale` when a gateway's reports stop, or its feed lags, this long.
+    pub alarm_gateway_stale: Duration,
     pub max_metrics_bytes: usize,
     /// Tokenizers for text requests, one per model.
     pub tokenizers: Vec<TokenizerSpec>,
@@ -338,6 +358,8 @@ impl Default for Config {
             engine_stale: Duration::from_secs(2),
             engine_down: Duration::from_secs(5),
             alarm_silent: Duration::from_secs(300),
+            truth: crate::truth::TruthConfig::default(),
+            alarm_gateway_stale: Duration::from_secs(30),
             max_metrics_bytes: 1 << 20,
             tokenizers: Vec::new(),
             text_limits: kvroute_text::Limits::default(),
@@ -641,6 +663,33 @@ impl Cli {
                 "alarm-silent-secs",
                 self.alarm_silent_secs.or(file.alarm_silent_secs),
                 d.alarm_silent,
+            )?,
+            truth: crate::truth::TruthConfig {
+                window: positive_secs(
+                    "truth-window-secs",
+                    self.truth_window_secs.or(file.truth_window_secs),
+                    d.truth.window,
+                )?,
+                factor: match self.hash_mismatch_factor.or(file.hash_mismatch_factor) {
+                    None => d.truth.factor,
+                    Some(f) if f > 1.0 && f < 1e9 => f,
+                    Some(f) => {
+                        return Err(ConfigError::Value {
+                            flag: "hash-mismatch-factor",
+                            msg: format!("{f}: must be more than 1"),
+                        })
+                    }
+                },
+                min_tokens: self
+                    .hash_mismatch_min_tokens
+                    .or(file.hash_mismatch_min_tokens)
+                    .unwrap_or(d.truth.min_tokens),
+            },
+            alarm_gateway_stale: positive_secs(
+                "alarm-gateway-stale-secs",
+                self.alarm_gateway_stale_secs
+                    .or(file.alarm_gateway_stale_secs),
+                d.alarm_gateway_stale,
             )?,
             max_metrics_bytes: positive(
                 "max-metrics-bytes",

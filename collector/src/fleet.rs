@@ -19,6 +19,8 @@ use kvroute::event::WorkerId;
 use kvroute::router::EngineLoad;
 use serde::{Deserialize, Serialize};
 
+use crate::truth::{Truth, TruthConfig};
+
 /// Longest gateway id, bytes.
 pub const MAX_GATEWAY_ID_BYTES: usize = 128;
 /// Most in-flight requests one gateway may report for one worker; more is a bug, not load.
@@ -70,10 +72,23 @@ pub struct LoadReport {
     pub gateway: String,
     pub epoch: u64,
     pub workers: Vec<WorkerReport>,
-    /// Optional (no filter sends it yet): requests this gateway answered `no_model` since it
-    /// started, by the request's model name; cumulative. Feeds the `no_model` alarm only.
+    /// Optional: requests this gateway found no engine registered for since it started, by
+    /// the request's model name; cumulative. Feeds the `no_model` alarm only.
     #[serde(default)]
     pub no_model: std::collections::BTreeMap<String, u64>,
+    /// Optional: the filter's version (`gateway_mismatch`).
+    #[serde(default)]
+    pub version: Option<String>,
+    /// Optional: the filter's hashing contract, [`kvroute::hash::contract`]
+    /// (`gateway_mismatch`).
+    #[serde(default)]
+    pub contract: Option<String>,
+    /// Optional: how old the gateway's feed is, ms (`gateway_stale`).
+    #[serde(default)]
+    pub feed_lag_ms: Option<u64>,
+    /// Optional: the filter's text counters, cumulative (`text_approximate`).
+    #[serde(default)]
+    pub text: Option<crate::alarm::TextCounts>,
 }
 
 /// One worker's entry of a [`LoadReport`]; a missing count is 0.
@@ -86,6 +101,13 @@ pub struct WorkerReport {
     pub prefill_tokens: i64,
     #[serde(default)]
     pub decode_tokens: i64,
+    /// Optional, cumulative since the gateway started: the tokens it predicted as cached for
+    /// the requests it routed to this worker (the truth check, [`crate::truth`]).
+    #[serde(default)]
+    pub predicted_cached_tokens: Option<u64>,
+    /// Optional, cumulative: the prompt tokens of those requests.
+    #[serde(default)]
+    pub routed_prompt_tokens: Option<u64>,
 }
 
 /// Why a report was refused. Nothing changes when one is.
@@ -116,6 +138,14 @@ pub enum LoadError {
     },
     #[error("{max} gateways already report; a new one is refused until one stops")]
     TooManyGateways { max: usize },
+    #[error(
+        "worker {worker}: predicted_cached_tokens {predicted} over routed_prompt_tokens {routed}"
+    )]
+    PredictedOverRouted {
+        worker: u32,
+        predicted: u64,
+        routed: u64,
+    },
 }
 
 impl LoadError {
@@ -130,6 +160,7 @@ impl LoadError {
             LoadError::Negative { .. } => "negative",
             LoadError::Absurd { .. } => "absurd",
             LoadError::TooManyGateways { .. } => "too_many_gateways",
+            LoadError::PredictedOverRouted { .. } => "predicted_over_routed",
         }
     }
 }
@@ -169,6 +200,8 @@ pub struct FleetConfig {
     pub max_gateways: usize,
     /// An engine sample older than this is stale.
     pub engine_stale: Duration,
+    /// The truth check's window and thresholds.
+    pub truth: TruthConfig,
 }
 
 impl Default for FleetConfig {
@@ -177,6 +210,7 @@ impl Default for FleetConfig {
             gateway_timeout: Duration::from_secs(5),
             max_gateways: 64,
             engine_stale: Duration::from_secs(2),
+            truth: TruthConfig::default(),
         }
     }
 }
@@ -193,6 +227,7 @@ pub struct Fleet {
     config: FleetConfig,
     gateways: HashMap<GatewayId, GatewayLoad>,
     engines: HashMap<WorkerId, EngineSample>,
+    truth: Truth,
 }
 
 impl Fleet {
@@ -201,7 +236,17 @@ impl Fleet {
             config,
             gateways: HashMap::new(),
             engines: HashMap::new(),
+            truth: Truth::new(config.truth),
         }
+    }
+
+    /// The truth check's window (predicted vs engine reuse per worker).
+    pub fn truth(&self) -> &Truth {
+        &self.truth
+    }
+
+    pub fn truth_mut(&mut self) -> &mut Truth {
+        &mut self.truth
     }
 
     pub fn config(&self) -> &FleetConfig {
@@ -238,6 +283,7 @@ impl Fleet {
         }
         let mut seen = HashSet::with_capacity(report.workers.len());
         let mut loads = Vec::with_capacity(report.workers.len());
+        let mut truth = Vec::new();
         for w in &report.workers {
             if !is_worker(WorkerId(w.worker)) {
                 return Err(LoadError::UnknownWorker(w.worker));
@@ -269,12 +315,23 @@ impl Fleet {
                 decode_tokens: count("decode_tokens", w.decode_tokens, MAX_TOKENS)?,
             };
             loads.push((WorkerId(w.worker), counts));
+            if let (Some(p), Some(r)) = (w.predicted_cached_tokens, w.routed_prompt_tokens) {
+                if p > r {
+                    return Err(LoadError::PredictedOverRouted {
+                        worker: w.worker,
+                        predicted: p,
+                        routed: r,
+                    });
+                }
+                truth.push((WorkerId(w.worker), p, r));
+            }
         }
         if !self.gateways.contains_key(&id) && self.gateways.len() >= self.config.max_gateways {
             return Err(LoadError::TooManyGateways {
                 max: self.config.max_gateways,
             });
         }
+        self.truth.note_report(id.as_str(), &truth, now);
         self.gateways.insert(id, GatewayLoad { at: now, loads });
         Ok(())
     }
@@ -335,6 +392,7 @@ impl Fleet {
         for id in ids {
             self.engines.remove(id);
         }
+        self.truth.forget_workers(ids);
     }
 
     /// Records an engine sample for a worker.
@@ -438,10 +496,16 @@ mod tests {
                         requests,
                         prefill_tokens,
                         decode_tokens,
+                        predicted_cached_tokens: None,
+                        routed_prompt_tokens: None,
                     },
                 )
                 .collect(),
             no_model: Default::default(),
+            version: None,
+            contract: None,
+            feed_lag_ms: None,
+            text: None,
         }
     }
 

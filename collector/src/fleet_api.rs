@@ -166,6 +166,16 @@ pub async fn post_load(
             state
                 .alarms
                 .note_no_model(&report.gateway, &report.no_model, now);
+            state.alarms.note_gateway(
+                &report.gateway,
+                crate::alarm::GatewayFacts {
+                    version: report.version.clone(),
+                    contract: report.contract.clone(),
+                    feed_lag_ms: report.feed_lag_ms,
+                    text: report.text,
+                },
+                now,
+            );
             Json(view(&fleet, epoch, &table, now)).into_response()
         }
         Err(e) => {

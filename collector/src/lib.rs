@@ -17,7 +17,8 @@
 //! - [`server`]: accept loop, connection cap, header timeout, bounded shutdown; [`edge`]:
 //!   per-request size limits and deadlines.
 //! - [`fleet`]: gateways' load reports and engines' samples, summed per worker;
-//!   [`fleet_api`]: `/v1/load`; [`scrape`]: the engines' `/metrics` scraper.
+//!   [`fleet_api`]: `/v1/load`; [`scrape`]: the engines' `/metrics` scraper; [`truth`]:
+//!   predicted against engine-reported reuse; [`alarm`]: the silent failures.
 //! - [`shared`]: the state every task shares ([`Shared`]), and the `--state-dir` snapshots
 //!   taken of it ([`state`]: the file); `workers`: registering starts a worker's subscriber.
 //! - [`ui`]: the fleet page (`/ui/`) and its `/v1/fleet/overview`.
@@ -49,6 +50,7 @@ pub mod server;
 pub mod shared;
 pub mod state;
 pub mod text;
+pub mod truth;
 pub mod ui;
 mod workers;
 pub mod zmq;

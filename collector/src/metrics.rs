@@ -73,6 +73,15 @@ pub struct AlarmLabels {
     pub subject: String,
 }
 
+/// A scope of the truth check: `(tenant, model)`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    pub tenant: String,
+    pub model: String,
+}
+
+type RatioFamily<L> = Family<L, Gauge<f64, std::sync::atomic::AtomicU64>>;
+
 /// `/tokenize` and text `/query` requests: which endpoint, which input (`prompt`, `messages`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TextLabels {
@@ -177,6 +186,14 @@ pub struct Metrics {
     pub engine_scrapes: Counter,
     /// Engine `/metrics` scrapes that failed or were cut off, by reason.
     pub engine_scrape_failures: Family<ReasonLabels, Counter>,
+    /// The truth check over its window, per worker: tokens kvroute predicted as cached.
+    pub truth_predicted_tokens: Family<WorkerLabels, Gauge>,
+    /// ... the engine's reported reuse on those requests (absent without engine figures).
+    pub truth_engine_tokens: Family<WorkerLabels, Gauge>,
+    /// ... predicted / engine (absent while the engine reused nothing).
+    pub truth_ratio: RatioFamily<WorkerLabels>,
+    /// ... the same per `(tenant, model)`.
+    pub truth_model_ratio: RatioFamily<ModelLabels>,
 }
 
 impl Default for Metrics {
@@ -262,6 +279,10 @@ impl Metrics {
             gateways_expired: Counter::default(),
             engine_scrapes: Counter::default(),
             engine_scrape_failures: Family::default(),
+            truth_predicted_tokens: Family::default(),
+            truth_engine_tokens: Family::default(),
+            truth_ratio: Family::default(),
+            truth_model_ratio: Family::default(),
         };
         registry.register(
             "bus_messages",
@@ -464,6 +485,26 @@ impl Metrics {
             "engine_scrape_failures",
             "Engine /metrics scrapes that failed or were cut off, by reason",
             m.engine_scrape_failures.clone(),
+        );
+        registry.register(
+            "truth_predicted_tokens",
+            "Tokens kvroute predicted as cached for the requests it routed to the worker, over the truth window",
+            m.truth_predicted_tokens.clone(),
+        );
+        registry.register(
+            "truth_engine_tokens",
+            "Tokens the engine reports it reused on those requests (its hit rate times their prompt tokens), over the truth window",
+            m.truth_engine_tokens.clone(),
+        );
+        registry.register(
+            "truth_ratio",
+            "Predicted over engine-reported reuse per worker over the truth window (1 when kvroute's hashes describe the engine's cache)",
+            m.truth_ratio.clone(),
+        );
+        registry.register(
+            "truth_model_ratio",
+            "Predicted over engine-reported reuse per tenant and model over the truth window",
+            m.truth_model_ratio.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -11,7 +11,9 @@
 //! queries (it takes the hub's lock only to list the targets and the fleet's only to store a
 //! sample). Every scrape is bounded in time (`--scrape-timeout-secs`), in bytes
 //! (`--max-metrics-bytes`: reading stops there) and in concurrency; a failing engine is backed
-//! off exponentially. The text format is parsed here rather than with a crate: only six gauge
+//! off exponentially. The prefix-cache figures (vLLM's `vllm:prefix_cache_{hits,queries}_total`
+//! and `vllm:cache_config_info`, SGLang's `sglang:cache_hit_rate`) go to the truth check
+//! ([`crate::truth`]). The text format is parsed here rather than with a crate: only a dozen
 //! names matter, other lines are skipped after comparing their name, and the crates that parse
 //! the full format pull in a regex engine and a date library for nothing we need.
 
@@ -25,6 +27,7 @@ use tokio::time::MissedTickBehavior;
 use crate::fleet::EngineSample;
 use crate::metrics::ReasonLabels;
 use crate::shared::AppState;
+use crate::truth::EngineReuse;
 use kvroute::router::EngineLoad;
 
 /// Scrapes in flight at once.
@@ -77,6 +80,14 @@ enum Field {
     KvUsage,
     /// vLLM's deprecated name; used only when the new one is absent.
     KvUsageOld,
+    /// vLLM's prefix-cache counters, tokens (the truth check, `crate::truth`).
+    CacheHits,
+    CacheQueries,
+    /// SGLang's only reuse figure, a 0..=1 gauge.
+    CacheHitRate,
+    /// vLLM's cache config, an info gauge whose labels matter (`block_size`,
+    /// `enable_prefix_caching`).
+    CacheConfig,
 }
 
 fn field_of(name: &str) -> Option<Field> {
@@ -85,9 +96,17 @@ fn field_of(name: &str) -> Option<Field> {
         "vllm:num_requests_running" | "sglang:num_running_reqs" => Field::Running,
         "vllm:kv_cache_usage_perc" | "sglang:token_usage" => Field::KvUsage,
         "vllm:gpu_cache_usage_perc" => Field::KvUsageOld,
+        // Counters carry `_total` in the text format; the bare name is accepted too.
+        "vllm:prefix_cache_hits_total" | "vllm:prefix_cache_hits" => Field::CacheHits,
+        "vllm:prefix_cache_queries_total" | "vllm:prefix_cache_queries" => Field::CacheQueries,
+        "sglang:cache_hit_rate" => Field::CacheHitRate,
+        "vllm:cache_config_info" => Field::CacheConfig,
         _ => return None,
     })
 }
+
+/// Larger token counters are garbage (2^53: beyond it an f64 no longer counts by one).
+const MAX_TOKENS_COUNTER: f64 = 9.0e15;
 
 #[derive(Default)]
 struct Acc {
@@ -95,6 +114,15 @@ struct Acc {
     running: Option<f64>,
     kv: Option<f64>,
     kv_old: Option<f64>,
+    reuse: EngineReuse,
+}
+
+/// One page: the load figures per dp rank, and each rank's prefix-cache figures (empty for
+/// an engine that exports none).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Page {
+    pub load: BTreeMap<u32, RankFigures>,
+    pub reuse: BTreeMap<u32, EngineReuse>,
 }
 
 /// Parses a Prometheus text page into figures per dp rank.
@@ -104,6 +132,14 @@ struct Acc {
 /// negative, non-finite or absurd value), [`ScrapeError::NoMetrics`] when no rank has both
 /// queue figures.
 pub fn parse(text: &str) -> Result<BTreeMap<u32, RankFigures>, ScrapeError> {
+    parse_page(text).map(|p| p.load)
+}
+
+/// [`parse`], with the prefix-cache figures of each rank as well.
+///
+/// # Errors
+/// As [`parse`].
+pub fn parse_page(text: &str) -> Result<Page, ScrapeError> {
     let mut ranks: BTreeMap<u32, Acc> = BTreeMap::new();
     for (n, line) in text.lines().enumerate() {
         let line = line.trim_start();
@@ -119,16 +155,29 @@ pub fn parse(text: &str) -> Result<BTreeMap<u32, RankFigures>, ScrapeError> {
         let bad = |what: &str| ScrapeError::Malformed(format!("line {}: {what}", n + 1));
         let mut rest = &line[name_end..];
         let mut rank = 0;
+        let (mut block_size, mut prefix_caching) = (None, None);
         if rest.starts_with('{') {
             let (labels, after) = split_labels(rest).ok_or_else(|| bad("unterminated labels"))?;
             rest = after;
             for (k, v) in labels {
-                if k == "engine" || k == "dp_rank" {
-                    rank = v
-                        .parse::<u32>()
-                        .ok()
-                        .filter(|r| *r < MAX_RANK)
-                        .ok_or_else(|| bad("rank label is not a small number"))?;
+                match k {
+                    "engine" | "dp_rank" => {
+                        rank = v
+                            .parse::<u32>()
+                            .ok()
+                            .filter(|r| *r < MAX_RANK)
+                            .ok_or_else(|| bad("rank label is not a small number"))?;
+                    }
+                    // Only the info gauge's labels; a bad one is no figure, not a bad page.
+                    "block_size" => block_size = v.parse::<u32>().ok().filter(|b| *b > 0),
+                    "enable_prefix_caching" => {
+                        prefix_caching = match v {
+                            "True" | "true" | "1" => Some(true),
+                            "False" | "false" | "0" => Some(false),
+                            _ => None,
+                        }
+                    }
+                    _ => {}
                 }
             }
         }
@@ -137,7 +186,11 @@ pub fn parse(text: &str) -> Result<BTreeMap<u32, RankFigures>, ScrapeError> {
             .next()
             .ok_or_else(|| bad("no value"))?;
         let value: f64 = value.parse().map_err(|_| bad("value is not a number"))?;
-        if !(0.0..=MAX_COUNT).contains(&value) {
+        let max = match field {
+            Field::CacheHits | Field::CacheQueries => MAX_TOKENS_COUNTER,
+            _ => MAX_COUNT,
+        };
+        if !(0.0..=max).contains(&value) {
             return Err(bad("value out of range"));
         }
         let acc = ranks.entry(rank).or_default();
@@ -148,23 +201,37 @@ pub fn parse(text: &str) -> Result<BTreeMap<u32, RankFigures>, ScrapeError> {
             Field::Running => add(&mut acc.running),
             Field::KvUsage => max(&mut acc.kv),
             Field::KvUsageOld => max(&mut acc.kv_old),
+            Field::CacheHits => add(&mut acc.reuse.hits_tokens),
+            Field::CacheQueries => add(&mut acc.reuse.queries_tokens),
+            Field::CacheHitRate => {
+                if value > 1.0 {
+                    return Err(bad("hit rate above 1"));
+                }
+                max(&mut acc.reuse.hit_rate)
+            }
+            Field::CacheConfig => {
+                acc.reuse.block_size = block_size.or(acc.reuse.block_size);
+                acc.reuse.prefix_caching = prefix_caching.or(acc.reuse.prefix_caching);
+            }
         }
     }
-    let out: BTreeMap<u32, RankFigures> = ranks
-        .into_iter()
-        .filter_map(|(rank, a)| {
-            Some((
-                rank,
-                // KV usage is a fraction by both engines' definitions; a page without it reads
-                // as an empty cache rather than no sample, since the queue is what matters most.
-                EngineLoad::from_gauges(a.waiting?, a.running?, a.kv.or(a.kv_old).unwrap_or(0.0)),
-            ))
-        })
-        .collect();
-    if out.is_empty() {
+    let mut page = Page::default();
+    for (rank, a) in ranks {
+        if !a.reuse.is_empty() {
+            page.reuse.insert(rank, a.reuse);
+        }
+        if let (Some(waiting), Some(running)) = (a.waiting, a.running) {
+            // KV usage is a fraction by both engines' definitions; a page without it reads
+            // as an empty cache rather than no sample, since the queue is what matters most.
+            let kv = a.kv.or(a.kv_old).unwrap_or(0.0);
+            page.load
+                .insert(rank, EngineLoad::from_gauges(waiting, running, kv));
+        }
+    }
+    if page.load.is_empty() {
         return Err(ScrapeError::NoMetrics);
     }
-    Ok(out)
+    Ok(page)
 }
 
 /// Splits `{k="v",...} rest` into its labels and `rest`; `None` when the braces or quotes do
@@ -272,7 +339,7 @@ pub async fn scrape(
     client: &reqwest::Client,
     address: &str,
     cfg: &ScrapeConfig,
-) -> Result<BTreeMap<u32, RankFigures>, ScrapeError> {
+) -> Result<Page, ScrapeError> {
     let body = fetch(
         client,
         &format!("http://{address}/metrics"),
@@ -282,7 +349,7 @@ pub async fn scrape(
     .await?;
     let text = std::str::from_utf8(&body)
         .map_err(|e| ScrapeError::Malformed(format!("not UTF-8: {e}")))?;
-    parse(text)
+    parse_page(text)
 }
 
 /// One engine to scrape: its serving address and the workers (dp ranks) behind it.
@@ -375,7 +442,7 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
             .buffer_unordered(CONCURRENCY);
         while let Some((t, result, at)) = results.next().await {
             match result {
-                Ok(ranks) => {
+                Ok(page) => {
                     backoff.remove(&t.address);
                     answered.insert(t.address.clone());
                     state.metrics.engine_scrapes.inc();
@@ -387,8 +454,11 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
                     let mut fleet = state.fleet();
                     let hub = state.read();
                     for (worker, rank) in t.still_registered(&hub) {
-                        if let Some(f) = ranks.get(&rank) {
+                        if let Some(f) = page.load.get(&rank) {
                             fleet.set_engine(worker, EngineSample { load: *f, at });
+                        }
+                        if let Some(r) = page.reuse.get(&rank) {
+                            fleet.truth_mut().note_engine(worker, r, at);
                         }
                     }
                 }
@@ -472,6 +542,33 @@ mod tests {
         assert_eq!(r.len(), 1);
         assert_eq!(r[&0].waiting, 4);
         assert_eq!(r[&0].running, 2);
+    }
+
+    #[test]
+    fn prefix_cache_figures_per_rank() {
+        let page = "vllm:num_requests_waiting{engine=\"0\"} 0\nvllm:num_requests_running{engine=\"0\"} 1\n\
+            vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 1.2e10\n\
+            vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 300.0\n\
+            vllm:prefix_cache_queries_created{engine=\"0\",model_name=\"m\"} 1.7e9\n\
+            vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"False\",engine=\"0\"} 1.0\n\
+            sglang:cache_hit_rate{dp_rank=\"1\"} 0.25\n";
+        let p = parse_page(page).unwrap();
+        let r0 = p.reuse[&0];
+        assert_eq!(
+            r0.queries_tokens,
+            Some(1.2e10),
+            "counters go past the gauge cap"
+        );
+        assert_eq!(r0.hits_tokens, Some(300.0));
+        assert_eq!(r0.block_size, Some(16));
+        assert_eq!(r0.prefix_caching, Some(false));
+        assert_eq!(p.reuse[&1].hit_rate, Some(0.25));
+        // Rank 1 has no queue figures: reuse only, no load sample.
+        assert_eq!(p.load.len(), 1);
+        assert!(matches!(
+            parse_page("vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nsglang:cache_hit_rate 1.5\n"),
+            Err(ScrapeError::Malformed(_))
+        ));
     }
 
     #[test]

@@ -261,11 +261,19 @@ pub(crate) async fn save_state(shared: &AppState, dir: &std::path::Path) {
     if shared.save_blocked.load(Ordering::Relaxed) {
         return;
     }
+    // Read before the export: the snapshot holds at least the stream up to it.
+    let cursor = shared.bus.as_ref().map(|b| b.applied());
     // Export under the read lock, serialize and write outside it.
     let state = shared.read().export();
     let dir = dir.to_owned();
+    let cursor_dir = dir.clone();
     match tokio::task::spawn_blocking(move || state::save(&dir, &state)).await {
-        Ok(Ok(bytes)) => tracing::debug!(bytes, "state saved"),
+        Ok(Ok(bytes)) => {
+            tracing::debug!(bytes, "state saved");
+            if let Some(seq) = cursor.filter(|&s| s > 0) {
+                crate::bus::handle::save_cursor(cursor_dir, seq).await;
+            }
+        }
         Ok(Err(e)) => warn!(error = %e, "state snapshot not written"),
         Err(e) => warn!(error = %e, "state snapshot task failed"),
     }

@@ -589,3 +589,198 @@ async fn wait_health(c: &Collector, want: &str) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// The real binary as an index replica, killed with SIGKILL by the test.
+struct Replica {
+    child: Child,
+    addr: std::net::SocketAddr,
+}
+
+impl Replica {
+    async fn start(url: &str, dir: &Path) -> Replica {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_kvroute-collector"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args([
+                "--nats",
+                url,
+                "--nats-role",
+                "index",
+                "--nats-durable",
+                "killed",
+            ])
+            .arg("--state-dir")
+            .arg(dir)
+            .args([
+                "--snapshot-interval-secs",
+                "0.2",
+                "--scrape-interval-secs",
+                "0",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start kvroute-collector");
+        let r = Replica {
+            child,
+            addr: ([127, 0, 0, 1], port).into(),
+        };
+        let until = tokio::time::Instant::now() + DEADLINE;
+        while reqwest::get(format!("http://{}/health", r.addr))
+            .await
+            .is_err()
+        {
+            assert!(tokio::time::Instant::now() < until, "replica did not serve");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        r
+    }
+
+    /// The replica's [`signature`], read over HTTP.
+    async fn signature(&self, prompts: &[Vec<u32>]) -> String {
+        let http = reqwest::Client::new();
+        let mut out = BTreeMap::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let r = http
+                .post(format!("http://{}/query", self.addr))
+                .json(&serde_json::json!({ "token_ids": p, "model_name": M }))
+                .send()
+                .await
+                .expect("query");
+            if !r.status().is_success() {
+                continue;
+            }
+            let r: kvroute::api::QueryResponse = r.json().await.expect("query JSON");
+            for (inst, m) in r.instances {
+                out.insert(
+                    format!("q{i}/{inst}"),
+                    (m.longest_matched, m.gpu, m.cpu, m.disk),
+                );
+            }
+        }
+        let workers: serde_json::Value = http
+            .get(format!("http://{}/workers", self.addr))
+            .send()
+            .await
+            .expect("workers")
+            .json()
+            .await
+            .expect("workers JSON");
+        let mut blocks: Vec<(String, u32, u64)> = workers["workers"]
+            .as_array()
+            .map(|ws| {
+                ws.iter()
+                    .map(|w| {
+                        (
+                            w["instance_id"].as_str().unwrap_or("").to_owned(),
+                            w["dp_rank"].as_u64().unwrap_or(0) as u32,
+                            w["blocks"].as_u64().unwrap_or(0),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        blocks.sort();
+        format!("{out:?} {blocks:?}")
+    }
+
+    async fn converge(&self, to: &AppState, prompts: &[Vec<u32>]) {
+        let until = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            let (mine, theirs) = (
+                self.signature(prompts).await,
+                signature(&to.read(), prompts),
+            );
+            if mine == theirs {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < until,
+                "replica differs after {DEADLINE:?}:\n{mine}\n{theirs}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Reads the replica's cursor file (0 when absent).
+fn cursor(dir: &Path) -> u64 {
+    std::fs::read_to_string(dir.join(kvroute_collector::bus::handle::CURSOR_FILE))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_index_replica_recovers_from_its_snapshot_and_the_stream() {
+    let nats = Nats::start().await;
+    let url = Nats::url(nats.port);
+    let dir = tempfile::tempdir().unwrap();
+    let ingest = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
+    let mut a = publisher(EventFormat::Vllm033, ReplayShape::New).await;
+    let mut b = publisher(EventFormat::Sglang, ReplayShape::New).await;
+    ingest
+        .state
+        .register(registration("a", &a, M, None, 4))
+        .unwrap();
+    ingest
+        .state
+        .register(registration("b", &b, M, None, 4))
+        .unwrap();
+    let r = Replica::start(&url, dir.path()).await;
+    let mut prompts = traffic(&a, &b, 0, 20);
+    let last = prompts.last().unwrap().clone();
+    until(&ingest.state, &mut a, |h| {
+        common::longest(h, &last, M, None, "a") == 32
+    })
+    .await;
+    until(&ingest.state, &mut b, |h| {
+        common::longest(h, &last, M, None, "b") == 16
+    })
+    .await;
+    r.converge(&ingest.state, &prompts).await;
+    // A snapshot with its cursor is on disk.
+    let until_snap = tokio::time::Instant::now() + DEADLINE;
+    while cursor(dir.path()) == 0 {
+        assert!(tokio::time::Instant::now() < until_snap, "no cursor file");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // More events, applied and acknowledged by the replica, then SIGKILL: whether or not a
+    // snapshot took them, the restarted replica must hold them.
+    prompts.extend(traffic(&a, &b, 1, 6));
+    a.publish_events(&[KvEvent::AllBlocksCleared]);
+    prompts.extend(traffic(&a, &b, 2, 3));
+    let last = prompts.last().unwrap().clone();
+    until(&ingest.state, &mut a, |h| {
+        common::longest(h, &last, M, None, "a") == 32
+            && common::longest(h, &prompts[0], M, None, "a") == 0
+    })
+    .await;
+    until(&ingest.state, &mut b, |h| {
+        common::longest(h, &last, M, None, "b") == 16
+    })
+    .await;
+    r.converge(&ingest.state, &prompts).await;
+    r.kill();
+    let r = Replica::start(&url, dir.path()).await;
+    r.converge(&ingest.state, &prompts).await;
+    // And a replica whose snapshot is gone starts over from the stream.
+    r.kill();
+    std::fs::remove_file(dir.path().join("state.json")).unwrap();
+    let r = Replica::start(&url, dir.path()).await;
+    r.converge(&ingest.state, &prompts).await;
+    r.kill();
+    ingest.stop().await;
+}

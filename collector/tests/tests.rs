@@ -18,6 +18,8 @@ mod fleet_load;
 mod fleet_scrape;
 // The alarms (engine_silent, ...) raised by real conditions, and none for a healthy fleet.
 mod alarm;
+// The truth check (predicted vs engine reuse) and the gateway alarms, against fake engines.
+mod truth;
 // Text requests: /tokenize and /query with prompt or messages, on the real Qwen3 tokenizer.
 mod text;
 // /v1/explain: the decision laid out, hand-worked, and its bad input.

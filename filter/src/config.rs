@@ -311,7 +311,10 @@ fn default_mode() -> Mode {
     Mode::Local
 }
 fn default_sync_interval() -> u32 {
-    100
+    // Two gateways see each other's bookings a report and a pull later: at 100 ms, 16 engines
+    // behind two gateways queued cold prompts behind each other's long ones (bench scale
+    // scenario, TTFT p50 0.25 s against 0.15 s at 25 ms).
+    25
 }
 fn default_stale_after() -> u64 {
     5000
@@ -374,7 +377,7 @@ pub struct Config {
     pub read_token: Option<String>,
     /// `local` (default) or `remote`.
     pub mode: Mode,
-    /// Feed pull period (JSON `sync_interval_ms`). Default 100 ms.
+    /// Feed pull period (JSON `sync_interval_ms`). Default 25 ms.
     pub sync_interval: Duration,
     /// Older index → fail open (JSON `stale_after_ms`). Default 5 s.
     pub stale_after: Duration,
@@ -810,6 +813,12 @@ mod tests {
         assert_eq!(c.stale_after, Duration::from_secs(5), "the default");
         assert_eq!(millis(c.load_ttl), 1500);
         assert_eq!(millis(Duration::MAX), u64::MAX, "saturates");
+    }
+
+    #[test]
+    fn gateways_sync_every_25_ms_by_default() {
+        let c = parse(br#"{"collector": {"cluster": "c"}}"#).unwrap();
+        assert_eq!(c.sync_interval, Duration::from_millis(25));
     }
 
     #[test]

@@ -41,8 +41,19 @@ pub fn config(extra: serde_json::Value) -> String {
             c.insert(k.clone(), v.clone());
         }
     }
+    // The tests count in sync periods of 100 ms ([`sync`]), not the shipped default.
+    if let Some(index) = c.get_mut("index").and_then(|i| i.as_object_mut()) {
+        index
+            .entry("sync_interval_ms")
+            .or_insert(serde_json::json!(SYNC_MS));
+    } else if let Some(c) = c.as_object_mut() {
+        c.insert("index".into(), serde_json::json!({"sync_interval_ms": SYNC_MS}));
+    }
     c.to_string()
 }
+
+/// The tests' sync period, milliseconds.
+pub const SYNC_MS: u64 = 100;
 
 pub fn gateway(config: &str, workers: usize) -> Gateway {
     Gateway::builder(wasm())
@@ -386,7 +397,7 @@ pub const B: &str = "10.0.0.2:8000";
 
 /// Lets one sync interval pass (every VM ticks; the lease holder pulls).
 pub fn sync(gw: &mut Gateway) {
-    gw.advance(Duration::from_millis(100));
+    gw.advance(Duration::from_millis(SYNC_MS));
 }
 
 /// Sends a completions request with a token prompt.

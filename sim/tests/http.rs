@@ -244,6 +244,22 @@ async fn metrics_show_the_queue_in_the_engine_format() {
         };
         assert!(page.contains(waiting), "{page}");
         assert!(page.contains(running), "{page}");
+        // The reuse figures the collector's truth check reads, and the vLLM cache config.
+        if format == kvroute_sim::wire::EventFormat::Sglang {
+            assert!(
+                page.contains(
+                    "sglang:cache_hit_rate{dp_rank=\"0\",model_name=\"sim-model\"} 0.000000"
+                ),
+                "{page}"
+            );
+            assert!(!page.contains("vllm:cache_config_info"), "{page}");
+        } else {
+            assert!(
+                page.contains("vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"True\",engine=\"0\""),
+                "{page}"
+            );
+            assert!(!page.contains("sglang:cache_hit_rate"), "{page}");
+        }
         drop(first);
         for q in queued {
             assert!(q.await.unwrap());

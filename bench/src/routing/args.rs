@@ -79,7 +79,15 @@ pub const EXTRA_SCENARIOS: [(&str, &[&str]); 7] = [
     ("failure", &BASELINES_AND_KVROUTE),
     (
         "scale",
-        &["round-robin", "least-request", "vllm-router", "kvroute-2gw"],
+        &[
+            "round-robin",
+            "least-request",
+            "vllm-router",
+            "kvroute-inproc",
+            "kvroute",
+            "kvroute-2gw",
+            "kvroute-2gw-nofleet",
+        ],
     ),
     ("shared-prefix", &BASELINES_AND_KVROUTE),
 ];
@@ -98,7 +106,7 @@ pub enum Clock {
 
 /// Shipped defaults of the periods `--gateway-clock` scales, milliseconds: the filter's feed
 /// pull, its speculative entries' lifetime, the collector's engine scrape.
-pub(crate) const SYNC_INTERVAL_MS: f64 = 100.0;
+pub(crate) const SYNC_INTERVAL_MS: f64 = 25.0;
 pub(crate) const SPECULATIVE_TTL_MS: f64 = 2_000.0;
 pub(crate) const SCRAPE_INTERVAL_MS: f64 = 500.0;
 
@@ -161,7 +169,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "{}")]
     pub filter_config: String,
     /// The filter's `index.sync_interval_ms` (its feed pull and load report period) in
-    /// shipped milliseconds, scaled like the other periods by `--gateway-clock` [default: 100].
+    /// shipped milliseconds, scaled like the other periods by `--gateway-clock` [default: 25].
     #[arg(long)]
     pub sync_interval_ms: Option<f64>,
     /// The filter's `collector.query_timeout_ms`, wall milliseconds (default: envoy.yaml's

@@ -3,9 +3,12 @@
 //!
 //! Each message is acknowledged once applied (ack policy *all*), so after a restart the
 //! durable consumer resumes after the last one. With `--state-dir` the replica's index comes
-//! back from its snapshot (written after the consumer stops) and the durable continues from
-//! there: no engine replay. Without it the index starts empty, so the durable is reset to the
-//! start of the stream (everything the stream's limits still keep).
+//! back from its snapshot and the durable continues from there: no engine replay. Each
+//! snapshot is followed by a cursor file (the stream sequence it holds at least, read before
+//! the export); a replica that was killed after acknowledging more than its last snapshot
+//! holds has its durable moved back to the cursor (what comes twice is skipped as a second
+//! copy). Without `--state-dir`, or without a snapshot yet, the index starts empty, so the
+//! durable starts over from the start of the stream (everything its limits still keep).
 //!
 //! Per worker the consumer follows the engine's sequence numbers as the ingest side applied
 //! them: the next one is applied; a jump is counted as a gap (`gap`) and applied, as the ZMQ
@@ -24,6 +27,7 @@ use futures_util::StreamExt;
 use kvroute::event::WorkerId;
 use tracing::{debug, info, warn};
 
+use super::handle::load_cursor;
 use super::wire::{self, Kind};
 use super::{count, publish, registry, Bus};
 use crate::metrics::WorkerLabels;
@@ -50,12 +54,19 @@ pub async fn run(shared: Arc<Shared>, bus: Arc<Bus>, js: jetstream::Context) {
             follow.last.insert(w.id, s);
         }
     }
-    let mut fresh = shared.config.state_dir.is_none();
+    // Only the first opening looks at the snapshot; later ones (after an error) go on from
+    // what this process acknowledged.
+    let mut start = Some(
+        match shared.config.state_dir.as_deref().and_then(load_cursor) {
+            Some(seq) => Start::After(seq),
+            None => Start::Over,
+        },
+    );
     let mut backoff = Duration::from_millis(100);
     loop {
-        match open(&bus, &js, fresh).await {
+        match open(&bus, &js, start).await {
             Ok(c) => {
-                fresh = false;
+                start = None;
                 bus.set_consumer_problem(None);
                 info!(durable = %bus.config.durable, "nats: consuming the stream");
                 match c.messages().await {
@@ -73,6 +84,9 @@ pub async fn run(shared: Arc<Shared>, bus: Arc<Bus>, js: jetstream::Context) {
                                         &msg.payload,
                                     )
                                     .await;
+                                    if let Ok(info) = msg.info() {
+                                        bus.set_applied(info.stream_sequence);
+                                    }
                                     if let Err(e) = msg.ack().await {
                                         debug!(error = %e, "nats: ack failed");
                                     }
@@ -97,27 +111,58 @@ pub async fn run(shared: Arc<Shared>, bus: Arc<Bus>, js: jetstream::Context) {
     }
 }
 
-/// The durable consumer; `fresh`: this replica's index is empty, so it starts over.
+/// Where the first opening of the durable consumer starts.
+#[derive(Clone, Copy, Debug)]
+enum Start {
+    /// The index is empty: from the start of the stream.
+    Over,
+    /// The snapshot holds the stream up to this sequence: from the durable's position if it
+    /// is not past it, else from just after it.
+    After(u64),
+}
+
+/// The durable consumer; `start`: see [`Start`], `None` to take it as it is.
 async fn open(
     bus: &Bus,
     js: &jetstream::Context,
-    fresh: bool,
+    start: Option<Start>,
 ) -> Result<consumer::PullConsumer, String> {
     publish::ensure_stream(bus, js).await;
     let stream = js
         .get_stream(&bus.config.stream)
         .await
         .map_err(|e| e.to_string())?;
-    if fresh {
-        // Gone already is fine.
-        let _ = stream.delete_consumer(&bus.config.durable).await;
+    let existing = stream
+        .get_consumer::<consumer::pull::Config>(&bus.config.durable)
+        .await
+        .ok();
+    let deliver_policy = match start {
+        None => consumer::DeliverPolicy::All,
+        Some(Start::Over) => consumer::DeliverPolicy::All,
+        Some(Start::After(seq)) => consumer::DeliverPolicy::ByStartSequence {
+            start_sequence: seq + 1,
+        },
+    };
+    let reset = match (start, &existing) {
+        (Some(Start::Over), Some(_)) => true,
+        (Some(Start::After(seq)), Some(c)) => c.cached_info().ack_floor.stream_sequence > seq,
+        _ => false,
+    };
+    if reset {
+        info!(durable = %bus.config.durable, ?start, "nats: durable consumer moved back to what the index holds");
+        stream
+            .delete_consumer(&bus.config.durable)
+            .await
+            .map_err(|e| e.to_string())?;
+    } else if let Some(c) = existing {
+        return Ok(c);
     }
     stream
         .get_or_create_consumer(
             &bus.config.durable,
             consumer::pull::Config {
                 durable_name: Some(bus.config.durable.clone()),
-                deliver_policy: consumer::DeliverPolicy::All,
+                deliver_policy,
                 ack_policy: consumer::AckPolicy::All,
                 ack_wait: ACK_WAIT,
                 max_ack_pending: 100_000,

@@ -84,6 +84,8 @@ pub struct Bus {
     dropped: AtomicU64,
     /// The index consumer's last error, while it has one.
     consumer_problem: Mutex<Option<String>>,
+    /// Stream sequence of the last message the index consumer applied (0: none yet).
+    applied: AtomicU64,
 }
 
 impl Bus {
@@ -97,7 +99,17 @@ impl Bus {
             down_since: Mutex::new(Some(Instant::now())),
             dropped: AtomicU64::new(0),
             consumer_problem: Mutex::new(None),
+            applied: AtomicU64::new(0),
         })
+    }
+
+    /// Stream sequence of the last message the index consumer applied (0: none yet).
+    pub fn applied(&self) -> u64 {
+        self.applied.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set_applied(&self, stream_seq: u64) {
+        self.applied.store(stream_seq, Ordering::Release);
     }
 
     /// The outbox's receiving end, once (for the publisher task).
@@ -181,6 +193,35 @@ impl Bus {
             dp_rank,
         )
     }
+}
+
+/// The file in `--state-dir` naming the stream sequence a snapshot holds at least.
+pub const CURSOR_FILE: &str = "nats-cursor";
+
+/// Records, after a snapshot was written, the stream sequence it holds at least (read before
+/// the export): a replica that dies later resumes from there, whatever it had acknowledged.
+pub async fn save_cursor(dir: std::path::PathBuf, stream_seq: u64) {
+    let tmp = dir.join(format!("{CURSOR_FILE}.tmp"));
+    let done = async {
+        tokio::fs::write(&tmp, format!("{stream_seq}\n")).await?;
+        tokio::fs::rename(&tmp, dir.join(CURSOR_FILE)).await
+    };
+    if let Err(e) = done.await {
+        warn!(dir = %dir.display(), error = %e, "nats cursor not written");
+    }
+}
+
+/// The stream sequence the snapshot in `dir` holds, when both the snapshot and the cursor
+/// are there (a snapshot moved aside leaves the cursor meaningless).
+pub fn load_cursor(dir: &std::path::Path) -> Option<u64> {
+    if !dir.join(crate::state::FILE).exists() {
+        return None;
+    }
+    std::fs::read_to_string(dir.join(CURSOR_FILE))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// One worker's route onto the stream, held by its ZMQ subscriber.

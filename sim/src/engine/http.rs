@@ -450,13 +450,15 @@ async fn reset_prefix_cache(State(engine): State<Engine>) -> StatusCode {
 
 /// Prometheus text in vLLM's metric names, one series per dp rank (`engine` label); an engine
 /// publishing SGLang events serves SGLang's queue and cache gauges instead (`dp_rank` label), as
-/// a real SGLang server would. The counters keep vLLM's names, which the benchmarks read.
+/// a real SGLang server would, with its `sglang:cache_hit_rate`. The counters keep vLLM's names,
+/// which the benchmarks read. vLLM engines also serve `vllm:cache_config_info` (block size).
 fn render_metrics(engine: &Engine) -> String {
     use std::fmt::Write;
     let cfg = &engine.inner.cfg;
     let stats: Vec<RankStats> = (0..engine.dp_size()).map(|r| engine.stats(r)).collect();
     let sglang = cfg.event_format.is_sglang();
     let mut out = String::new();
+    let mut info = String::new();
     let mut family = |name: &str, kind: &str, help: &str, value: &dyn Fn(&RankStats) -> String| {
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} {kind}");
@@ -542,6 +544,37 @@ fn render_metrics(engine: &Engine) -> String {
         "Blocks in the prefix cache.",
         &|s| s.cached_blocks.to_string(),
     );
+    if sglang {
+        // SGLang's only reuse figure: a gauge, the share of the prompt tokens of recent
+        // requests that were cached (here since start, from the same counters).
+        family(
+            "sglang:cache_hit_rate",
+            "gauge",
+            "The prefix cache hit rate.",
+            &|s| {
+                let rate = if s.prefix_queries_tokens == 0 {
+                    0.0
+                } else {
+                    s.prefix_hits_tokens as f64 / s.prefix_queries_tokens as f64
+                };
+                format!("{rate:.6}")
+            },
+        );
+    } else {
+        // vLLM's cache config as an info gauge (value 1), one series per engine index, with
+        // the labels a router checks its registration against.
+        let _ = writeln!(
+            info,
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge"
+        );
+        for r in 0..stats.len() {
+            let _ = writeln!(
+                info,
+                "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"{r}\",prefix_caching_hash_algo=\"sha256\"}} 1.0",
+                cfg.cache.block_size_tokens
+            );
+        }
+    }
     if cfg.engine_model == EngineModel::Stepped {
         family(
             "vllm:num_preemptions_total",
@@ -550,6 +583,7 @@ fn render_metrics(engine: &Engine) -> String {
             &|s| s.preemptions.to_string(),
         );
     }
+    out.push_str(&info);
     out
 }
 
