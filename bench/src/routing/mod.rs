@@ -14,7 +14,7 @@
 //! - Policies: `kvroute` is the **shipped path**: a real Envoy with the real filter (.wasm,
 //!   `--wasm` / `KVROUTE_WASM`) and the in-process collector, Envoy's fallback round-robin
 //!   ([`gateway`]). Beside it, in process: `round-robin`, `least-request`, `kvroute-inproc`
-//!   (collector `/query` + the core's `select::pick`, prefill released at the first token),
+//!   (collector `/query` + the shipped decision, `kvroute::router::route`, over in-process books),
 //!   `oracle` (the same decision on exact cache contents), `longest-prefix` (deepest match
 //!   wins, as vllm-router); and the PyPI peers `vllm-router` (`kv_aware`, token-id prompts, fed
 //!   the engines' events) and `sglang-router` (`cache_aware`, `t<id>` text prompts), run as

@@ -171,7 +171,7 @@ impl Route for LeastRequest {
 /// How the KV-aware router chooses among engines.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Choice {
-    /// The core's cost (`select::pick`): cache credit against queued prefill.
+    /// The shipped decision (`router::route`): cache credit against queued prefill.
     Cost,
     /// The deepest match wins, ties by fewest requests in flight; no match anywhere → fewest
     /// requests in flight. Load never outweighs a longer match.
