@@ -58,6 +58,7 @@ impl Shared {
             gateway_timeout: config.gateway_timeout,
             max_gateways: config.max_gateways,
             engine_stale: config.engine_stale,
+            truth: config.truth,
         }));
         let tokenizers = text::Tokenizers::new(&config.tokenizers, config.text_limits);
         let bus = config.nats.clone().map(crate::bus::handle::Bus::new);
