@@ -114,6 +114,8 @@ struct RawConfig {
 #[serde(deny_unknown_fields)]
 struct RawCollector {
     cluster: String,
+    #[serde(default)]
+    failover_clusters: Vec<String>,
     #[serde(default = "default_authority")]
     authority: String,
     #[serde(default = "default_query_timeout")]
@@ -359,6 +361,12 @@ pub fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// Most clusters in `collector.failover_clusters`.
+pub const MAX_FAILOVER_CLUSTERS: usize = 8;
+
+/// Failed feed pulls in a row after which the lease holder moves to the next feed cluster.
+pub const FAILOVER_AFTER: u32 = 2;
+
 /// Body fields giving a request's decode budget, first present wins.
 pub const DECODE_FIELDS: [&str; 2] = ["max_completion_tokens", "max_tokens"];
 
@@ -367,6 +375,10 @@ pub const DECODE_FIELDS: [&str; 2] = ["max_completion_tokens", "max_tokens"];
 pub struct Config {
     /// Collector cluster name (Envoy cluster the callouts go to). Required.
     pub cluster: String,
+    /// The feed's clusters in failover order: `cluster`, then `collector.failover_clusters`.
+    /// Feed pulls and load reports stay on one until it fails [`FAILOVER_AFTER`] times in a
+    /// row, then move to the next (the feed's cursor belongs to one collector).
+    pub feed_clusters: Vec<String>,
     /// `:authority` of callouts. Default `kvroute-collector`.
     pub authority: String,
     /// `/query` callout timeout (JSON `query_timeout_ms`). Default 20 ms.
@@ -541,6 +553,22 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     if raw.collector.cluster.is_empty() {
         return Err(err("collector.cluster", "must not be empty"));
     }
+    let failover = &raw.collector.failover_clusters;
+    if failover.len() > MAX_FAILOVER_CLUSTERS {
+        return Err(err(
+            "collector.failover_clusters",
+            format!("at most {MAX_FAILOVER_CLUSTERS} clusters"),
+        ));
+    }
+    if failover
+        .iter()
+        .any(|c| c.is_empty() || *c == raw.collector.cluster)
+    {
+        return Err(err(
+            "collector.failover_clusters",
+            "each must be a non-empty cluster other than collector.cluster",
+        ));
+    }
     let b = raw.index.buckets;
     if !b.is_power_of_two() || b > 1 << 20 {
         return Err(err(
@@ -635,8 +663,12 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             body_fields.push((name.to_owned(), FieldKind::Uint));
         }
     }
+    let feed_clusters = std::iter::once(raw.collector.cluster.clone())
+        .chain(raw.collector.failover_clusters)
+        .collect();
     Ok(Config {
         cluster: raw.collector.cluster,
+        feed_clusters,
         authority: raw.collector.authority,
         query_timeout: Duration::from_millis(raw.collector.query_timeout_ms.into()),
         feed_timeout: Duration::from_millis(raw.collector.feed_timeout_ms.into()),
@@ -813,6 +845,25 @@ mod tests {
         assert_eq!(c.stale_after, Duration::from_secs(5), "the default");
         assert_eq!(millis(c.load_ttl), 1500);
         assert_eq!(millis(Duration::MAX), u64::MAX, "saturates");
+    }
+
+    #[test]
+    fn failover_clusters_follow_the_primary_and_are_checked() {
+        let c =
+            parse(br#"{"collector": {"cluster": "a", "failover_clusters": ["b", "c"]}}"#).unwrap();
+        assert_eq!(c.feed_clusters, ["a", "b", "c"]);
+        let c = parse(br#"{"collector": {"cluster": "a"}}"#).unwrap();
+        assert_eq!(c.feed_clusters, ["a"]);
+        for bad in [
+            r#"["a"]"#,
+            r#"[""]"#,
+            r#"["1","2","3","4","5","6","7","8","9"]"#,
+        ] {
+            let json =
+                format!(r#"{{"collector": {{"cluster": "a", "failover_clusters": {bad}}}}}"#);
+            let e = parse(json.as_bytes()).unwrap_err().to_string();
+            assert!(e.contains("collector.failover_clusters"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -20,6 +20,10 @@ pub(crate) struct Root {
     vm: Option<VmRef>,
     /// The feed callout in flight, if any, and when it was sent (ms).
     in_flight: Option<(u32, u64)>,
+    /// Index into `Config::feed_clusters` of the collector the feed is pulled from.
+    feed_cluster: usize,
+    /// Feed pulls failed in a row on it.
+    feed_failures: u32,
     /// The `/v1/load` report in flight: its token, when it was sent (ms), and what it said
     /// (stored as this gateway's share of the fleet once accepted).
     report: Option<(u32, u64, Sent)>,
@@ -39,6 +43,8 @@ impl Root {
         Root {
             vm: None,
             in_flight: None,
+            feed_cluster: 0,
+            feed_failures: 0,
             report: None,
             blocks_this_tick: 0,
             ticks: Cell::new(0),
@@ -78,16 +84,43 @@ impl Root {
         if let Some(a) = auth.as_deref() {
             headers.push(("authorization", a));
         }
-        match host::http_call(&cfg.cluster, headers, None, cfg.feed_timeout) {
+        let cluster = self.feed_cluster(cfg);
+        match host::http_call(cluster, headers, None, cfg.feed_timeout) {
             Some(token) => self.in_flight = Some((token, host::now_ms())),
             None => {
                 host::increment_metric(vm.metrics.feed_errors, 1);
-                self.log_error(&format!(
-                    "kvroute: cannot call cluster `{}` for the feed",
-                    cfg.cluster
-                ));
+                let msg = format!("kvroute: cannot call cluster `{cluster}` for the feed");
+                self.log_error(&msg);
+                self.feed_failed(vm);
             }
         }
+    }
+
+    /// The cluster the feed is pulled from (and load reports sent to).
+    fn feed_cluster<'c>(&self, cfg: &'c config::Config) -> &'c str {
+        cfg.feed_clusters
+            .get(self.feed_cluster)
+            .unwrap_or(&cfg.cluster)
+    }
+
+    /// One more failed pull; after [`config::FAILOVER_AFTER`] in a row, the next feed cluster
+    /// takes over. Its epoch differs unless it shares the event stream, so the next page is
+    /// then a snapshot switched in whole, and until it is the index already held serves.
+    fn feed_failed(&mut self, vm: &Vm) {
+        self.feed_failures += 1;
+        let clusters = &vm.config().feed_clusters;
+        if self.feed_failures < config::FAILOVER_AFTER || clusters.len() < 2 {
+            return;
+        }
+        let from = self.feed_cluster(vm.config()).to_owned();
+        self.feed_cluster = (self.feed_cluster + 1) % clusters.len();
+        self.feed_failures = 0;
+        host::increment_metric(vm.metrics.collector_failovers, 1);
+        log::warn!(
+            "kvroute: collector cluster `{from}` failed {} feed pulls in a row; now `{}`",
+            config::FAILOVER_AFTER,
+            self.feed_cluster(vm.config())
+        );
     }
 
     fn log_error(&mut self, msg: &str) {
@@ -111,6 +144,7 @@ impl Root {
         if status != Some(200) {
             host::increment_metric(vm.metrics.feed_errors, 1);
             self.log_error(&format!("kvroute: feed pull failed (status {status:?})"));
+            self.feed_failed(vm);
             return;
         }
         let body =
@@ -121,9 +155,11 @@ impl Root {
             Err(e) => {
                 host::increment_metric(vm.metrics.feed_errors, 1);
                 self.log_error(&format!("kvroute: bad feed page: {e}"));
+                self.feed_failed(vm);
                 return;
             }
         };
+        self.feed_failures = 0;
         host::increment_metric(vm.metrics.feed_pages, 1);
         let cfg = vm.config();
         let now = host::now_ms();
@@ -180,7 +216,8 @@ impl Root {
                 return;
             }
         }
-        self.report = crate::report::send(vm, now).map(|(t, r)| (t, now, r));
+        let cluster = self.feed_cluster(cfg).to_owned();
+        self.report = crate::report::send(vm, &cluster, now).map(|(t, r)| (t, now, r));
     }
 
     fn report_lag(&self, vm: &Vm) {
@@ -290,6 +327,8 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         let Some(vm) = self.vm.clone() else { return };
+        // Every VM adds what its requests counted to the report's shared totals.
+        crate::report::flush(&vm);
         self.ticks.set(self.ticks.get() + 1);
         self.blocks_this_tick = 0;
         let cfg = vm.config();

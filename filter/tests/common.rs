@@ -47,7 +47,10 @@ pub fn config(extra: serde_json::Value) -> String {
             .entry("sync_interval_ms")
             .or_insert(serde_json::json!(SYNC_MS));
     } else if let Some(c) = c.as_object_mut() {
-        c.insert("index".into(), serde_json::json!({"sync_interval_ms": SYNC_MS}));
+        c.insert(
+            "index".into(),
+            serde_json::json!({"sync_interval_ms": SYNC_MS}),
+        );
     }
     c.to_string()
 }
@@ -148,8 +151,13 @@ impl FakeCollector {
 
     /// Serves `CLUSTER` of `gw`.
     pub fn attach(&self, gw: &mut Gateway) {
+        self.attach_as(gw, CLUSTER);
+    }
+
+    /// Serves the cluster `name` of `gw`.
+    pub fn attach_as(&self, gw: &mut Gateway, name: &str) {
         let me = self.clone();
-        gw.cluster(CLUSTER, move |c| me.answer(c));
+        gw.cluster(name, move |c| me.answer(c));
     }
 
     fn answer(&self, c: &Callout) -> CalloutReply {

@@ -8,6 +8,8 @@ mod artifacts;
 mod bad_input;
 /// The module, a gateway, a fake collector.
 mod common;
+/// The feed moving to the next collector when the one it pulls from fails.
+mod failover;
 /// The shared-data keyspace stays fixed while a million blocks churn.
 mod keyspace;
 /// Fleet-wide load reports and totals, engine samples, speculative holders.
