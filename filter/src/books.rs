@@ -63,6 +63,12 @@ pub fn book(
     counted(vm, books(vm, cfg).book(picture, id, prefill, decode, idle))
 }
 
+/// Counts a routed request for the truth check: `prompt` tokens, `matched` of them predicted
+/// as cached on the worker `id` names ([`crate::report`] carries the sums to the collector).
+pub fn note_routed(id: kvroute::mirror::LoadId, prompt: u32, matched: u32) {
+    crate::report::note_routed(id.as_slot(), prompt, matched);
+}
+
 /// The first response bytes: the prefill is done.
 pub fn release_prefill(vm: &VmRef, cfg: &Config, b: &mut Booked) {
     if cfg!(feature = "bench-unbooked") {

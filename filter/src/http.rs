@@ -411,6 +411,7 @@ impl Http {
         let cache = &mut *cache_guard;
         let (model, lora) = cache.meta.resolve(tenant, served);
         let Some(block_size) = cache.meta.block_size(tenant, model) else {
+            crate::report::note_no_model(served);
             self.finish(vm, Outcome::NoMatch);
             return Action::Continue;
         };
@@ -548,6 +549,7 @@ impl Http {
         let matched =
             (matched_blocks as u64 * block_size as u64).min(self.query_tokens as u64) as u32;
         self.matched_tokens = matched;
+        books::note_routed(target.load_id, self.query_tokens, matched);
         let prefill = self.query_tokens - matched;
         let decode = self
             .decode_budget

@@ -54,8 +54,10 @@ fn the_lease_holder_reports_absolute_counts() {
     assert_eq!(
         workers,
         [
-            json!({"worker": 0, "requests": 1, "prefill_tokens": 64, "decode_tokens": 10}),
-            json!({"worker": 1, "requests": 1, "prefill_tokens": 64, "decode_tokens": 10}),
+            json!({"worker": 0, "requests": 1, "prefill_tokens": 64, "decode_tokens": 10,
+                "predicted_cached_tokens": 0, "routed_prompt_tokens": 64}),
+            json!({"worker": 1, "requests": 1, "prefill_tokens": 64, "decode_tokens": 10,
+                "predicted_cached_tokens": 0, "routed_prompt_tokens": 64}),
         ]
     );
     // Absolute, not deltas: the same again on the next tick; nothing once they end.
@@ -67,9 +69,15 @@ fn the_lease_holder_reports_absolute_counts() {
     gw.respond(r1, kvroute_host_test::Response::ok("x"));
     gw.respond(r2, kvroute_host_test::Response::ok("x"));
     sync(&mut gw);
-    assert_eq!(
-        feed.reports().last().map(|r| r["workers"].clone()),
-        Some(json!([]))
+    // Nothing in flight; the cumulative truth-check counts stay.
+    let last = feed.reports().last().cloned().expect("a report");
+    assert!(
+        last["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|w| w["requests"] == 0 && w["routed_prompt_tokens"] == 64),
+        "{last}"
     );
     assert!(gw.metric("kvroute.load_reports").unwrap_or(0) >= 3);
 }
@@ -235,10 +243,16 @@ fn leaked_books_are_cleared_after_two_idle_samples() {
         sync(&mut gw);
     }
     assert_eq!(gw.metric("kvroute.leaks_repaired"), Some(1));
-    assert_eq!(
-        feed.reports().last().map(|r| r["workers"].clone()),
-        Some(json!([])),
-        "the report no longer counts the leaked request"
+    // (The worker stays listed for its cumulative truth-check counts, at no load.)
+    let workers = feed.reports().last().map(|r| r["workers"].clone());
+    assert!(
+        workers
+            .as_ref()
+            .and_then(|w| w.as_array())
+            .is_some_and(|w| w
+                .iter()
+                .all(|w| w["requests"] == 0 && w["prefill_tokens"] == 0)),
+        "the report no longer counts the leaked request: {workers:?}"
     );
 }
 
@@ -412,4 +426,47 @@ fn the_speculative_table_is_sixteen_fixed_shards() {
         .shared_data(&format!("{}/spec", keys().prefix()))
         .is_none());
     assert!(gw.errors().is_empty());
+}
+
+/// The report carries, cumulative, the tokens predicted as cached per worker and their
+/// prompt tokens (the collector's truth check), requests for unregistered models by name
+/// (bounded), the text counters, the feed lag, the version and the hashing contract.
+#[test]
+fn the_report_carries_predicted_reuse_unknown_models_and_the_contract() {
+    let (mut gw, feed) = setup(json!({"load": {"gateway_id": "gw-1"}}));
+    let prefix = tokens(5000, 48);
+    feed.hold(1, &prefix, "default", "m", None, None);
+    sync(&mut gw);
+    // Two prompts sharing the held 48-token prefix, each with a block of its own.
+    for tail in [7000, 8000] {
+        let p: Vec<u32> = prefix.iter().copied().chain(tokens(tail, 16)).collect();
+        assert_eq!(best(&complete(&mut gw, "m", &p)), Some(B));
+    }
+    let prompt = tokens(9000, 64);
+    for model in ["alias", "alias", &"x".repeat(1000)] {
+        complete(&mut gw, model, &prompt);
+    }
+    // More names than the bound: counted up to it only.
+    for i in 0..100 {
+        complete(&mut gw, &format!("typo-{i}"), &prompt);
+    }
+    sync(&mut gw);
+    let last = feed.reports().last().cloned().expect("a report");
+    let b = last["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker"] == 1)
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(b["predicted_cached_tokens"], 96, "{last}");
+    assert_eq!(b["routed_prompt_tokens"], 128, "{last}");
+    let no_model = last["no_model"].as_object().unwrap();
+    assert_eq!(no_model["alias"], 2, "{last}");
+    assert_eq!(no_model.len(), 64, "bounded");
+    assert!(no_model.keys().all(|k| k.len() <= 128));
+    assert_eq!(last["version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(last["contract"], kvroute::hash::contract());
+    assert!(last["feed_lag_ms"].as_u64().unwrap() < 1000, "{last}");
+    assert_eq!(last["text"]["approx"], 0);
 }
