@@ -254,6 +254,9 @@ pub struct Alarm {
     pub subject: String,
     /// The `/health` line: what is wrong and the likely causes.
     pub reason: String,
+    /// The likely causes by name, the evidence first (`block_size`, `model_name`, `lora`,
+    /// `salt`, `tokenizer`, `events_off`, `filter_version`, ...).
+    pub causes: Vec<&'static str>,
 }
 
 /// What one engine was last seen doing.
@@ -429,6 +432,7 @@ impl Alarms {
                         e.requests,
                         silent.as_secs_f64()
                     ),
+                    causes: vec!["events_off"],
                 };
                 raised.insert((a.kind, a.subject.clone()), a);
             }
@@ -449,6 +453,7 @@ impl Alarms {
                     gateways.join(", "),
                     NO_MODEL_WINDOW.as_secs()
                 ),
+                causes: vec!["model_name"],
             };
             raised.insert((a.kind, a.subject.clone()), a);
         }
@@ -530,6 +535,7 @@ fn hash_mismatch(
             names.join(", "),
             causes.first().map_or("", |c| c.hint())
         ),
+        causes: causes.iter().map(|c| c.as_str()).collect(),
     })
 }
 
@@ -546,6 +552,7 @@ fn gateway_alarms(id: &str, g: &GatewaySeen, exp: &Expected, now: Instant) -> Ve
                 age.as_secs_f64(),
                 exp.stale_after.saturating_mul(10).as_secs_f64()
             ),
+            causes: vec!["reports_stopped"],
         });
     } else if let Some(lag) = lag.filter(|l| *l >= exp.stale_after) {
         out.push(Alarm {
@@ -555,6 +562,7 @@ fn gateway_alarms(id: &str, g: &GatewaySeen, exp: &Expected, now: Instant) -> Ve
                 "gateway_stale: gateway {id} routes on a feed {:.0} s old (feed pulls failing or too slow: kvroute.feed_errors, the filter's feed_timeout)",
                 lag.as_secs_f64()
             ),
+            causes: vec!["feed_lag"],
         });
     }
     let mut differs = Vec::new();
@@ -572,6 +580,13 @@ fn gateway_alarms(id: &str, g: &GatewaySeen, exp: &Expected, now: Instant) -> Ve
                 "gateway_mismatch: gateway {id} runs {}; deploy the filter built with this collector",
                 differs.join("; ")
             ),
+            causes: [
+                g.facts.version.as_deref().filter(|v| *v != exp.version).map(|_| "filter_version"),
+                g.facts.contract.as_deref().filter(|c| *c != exp.contract).map(|_| "contract"),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
         });
     }
     if let (Some((_, a)), Some((at, b))) = (g.text.front(), g.text.back()) {
@@ -597,6 +612,7 @@ fn gateway_alarms(id: &str, g: &GatewaySeen, exp: &Expected, now: Instant) -> Ve
                     "text_approximate: gateway {id} decided {approx} of {total} text requests in approximate mode in the last {} s ({no_tok} no tokenizer, {errors} callout errors): {why}",
                     NO_MODEL_WINDOW.as_secs()
                 ),
+                causes: vec!["tokenizer"],
             });
         }
     }

@@ -406,7 +406,7 @@ async fn health(State(state): State<AppState>) -> Response {
     };
     let alarms: Vec<_> = alarms
         .iter()
-        .map(|a| serde_json::json!({ "alarm": a.kind.as_str(), "subject": a.subject, "reason": a.reason }))
+        .map(|a| serde_json::json!({ "alarm": a.kind.as_str(), "subject": a.subject, "reason": a.reason, "causes": a.causes }))
         .collect();
     Json(serde_json::json!({ "status": status, "reasons": problems, "alarms": alarms, "workers": workers, "connected": connected, "epoch": epoch })).into_response()
 }
@@ -430,7 +430,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
 }
 
 /// Evaluates every alarm of `state` now and updates their gauges.
-fn evaluate_alarms(state: &AppState) -> Vec<Alarm> {
+pub(crate) fn evaluate_alarms(state: &AppState) -> Vec<Alarm> {
     let now = Instant::now();
     let totals = state.fleet().totals(now);
     let engines: Vec<EngineObservation> = {

@@ -74,6 +74,20 @@ pub struct Explanation {
     pub runner_up: Option<Pick>,
     /// Every instance serving the model, the winner first, then by cost.
     pub instances: Vec<InstanceExplained>,
+    /// The alarms raised now that bear on this request: those about its engines
+    /// (`hash_mismatch`, `engine_silent`), its model name (`no_model`) and the gateways
+    /// (`text_approximate`, `gateway_mismatch`, `gateway_stale`), each with its likely causes.
+    #[serde(default)]
+    pub likely_causes: Vec<AlarmExplained>,
+}
+
+/// One raised alarm as `/v1/explain` shows it.
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+pub struct AlarmExplained {
+    pub alarm: String,
+    pub subject: String,
+    pub causes: Vec<String>,
+    pub reason: String,
 }
 
 /// One end of the decision.
@@ -149,6 +163,8 @@ pub async fn explain(
             ))
         }
     };
+    // Before the locks below: the evaluation takes them itself.
+    let alarms = crate::api::evaluate_alarms(&state);
     let now = Instant::now();
     // Lock order: fleet, then hub.
     let fleet = state.fleet();
@@ -172,6 +188,7 @@ pub async fn explain(
         .map(|t| (t.worker, t))
         .collect();
     let mut instances = serving(&hub, &scope.model_key(), &answer);
+    let likely_causes = bearing(&alarms, &hub, &scope.model_key(), &req.model_name);
     for (id, inst) in &mut instances {
         for w in hub.workers().filter(|w| &w.reg.instance_id == id) {
             if let Some(t) = loads.get(&w.id) {
@@ -283,8 +300,38 @@ pub async fn explain(
         winner,
         runner_up,
         instances: rows,
+        likely_causes,
     })
     .into_response())
+}
+
+/// The raised alarms about the workers of `model`, the served name `served`, or any gateway.
+fn bearing(
+    alarms: &[crate::alarm::Alarm],
+    hub: &Hub,
+    model: &ModelKey,
+    served: &str,
+) -> Vec<AlarmExplained> {
+    use crate::alarm::AlarmKind;
+    let engines: Vec<String> = hub
+        .workers()
+        .filter(|w| &ModelKey::new(w.tenant(), &w.reg.model_name) == model)
+        .map(|w| format!("{}/{}", w.reg.instance_id, w.dp_rank()))
+        .collect();
+    alarms
+        .iter()
+        .filter(|a| match a.kind {
+            AlarmKind::HashMismatch | AlarmKind::EngineSilent => engines.contains(&a.subject),
+            AlarmKind::NoModel => a.subject == served,
+            _ => true,
+        })
+        .map(|a| AlarmExplained {
+            alarm: a.kind.as_str().to_owned(),
+            subject: a.subject.clone(),
+            causes: a.causes.iter().map(|c| (*c).to_owned()).collect(),
+            reason: a.reason.clone(),
+        })
+        .collect()
 }
 
 /// An instance being explained: its match and its summed load.

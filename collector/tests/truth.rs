@@ -175,6 +175,32 @@ async fn wrong_block_size_raises_hash_mismatch_naming_it() {
         reason.contains("block_size (registered 4, the engine's 16)"),
         "{reason}"
     );
+    assert_eq!(
+        alarms_of(&h, "hash_mismatch")[0]["causes"],
+        json!(["block_size"])
+    );
+    // /v1/explain names it for a request to that model, and not for another tenant's.
+    let explain = |body: Value| {
+        let c = &c;
+        async move {
+            let r = c
+                .http
+                .post(format!("{}/v1/explain", c.url))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (r.status(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let (s, e) = explain(json!({"model": "m", "token_ids": [1, 2, 3, 4, 5, 6, 7, 8]})).await;
+    assert_eq!(s, 200, "{e}");
+    assert_eq!(e["likely_causes"][0]["alarm"], "hash_mismatch", "{e}");
+    assert_eq!(
+        e["likely_causes"][0]["causes"],
+        json!(["block_size"]),
+        "{e}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
