@@ -590,6 +590,55 @@ async fn wait_health(c: &Collector, want: &str) {
     }
 }
 
+/// Whether `instance`'s stream is connected, as `state` has it.
+fn connected(state: &AppState, instance: &str) -> Option<bool> {
+    state
+        .read()
+        .workers()
+        .find(|w| w.reg.instance_id == instance)
+        .map(|w| w.status.connected)
+}
+
+async fn until_connected(state: &AppState, instance: &str, want: bool) {
+    assert!(
+        state
+            .wait_until(DEADLINE, |h| {
+                h.workers()
+                    .any(|w| w.reg.instance_id == instance && w.status.connected == want)
+            })
+            .await,
+        "{instance} connected != {want}: {:?}",
+        connected(state, instance)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_stream_events_reach_the_replicas_every_time() {
+    let nats = Nats::start().await;
+    let url = Nats::url(nats.port);
+    let ingest = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
+    let r = Collector::start(config(Some(bus(&url, Role::Index, "events")))).await;
+    let a = publisher(EventFormat::Vllm033, ReplayShape::New).await;
+    let (endpoint, replay) = (a.endpoint.clone(), a.replay_endpoint.clone().unwrap());
+    ingest
+        .state
+        .register(registration("a", &a, M, None, 4))
+        .unwrap();
+    let mut a = Some(a);
+    // Twice the same disconnect and reconnect, within JetStream's duplicate window.
+    for _ in 0..2 {
+        until_connected(&ingest.state, "a", true).await;
+        until_connected(&r.state, "a", true).await;
+        a.take().unwrap().close().await;
+        until_connected(&ingest.state, "a", false).await;
+        until_connected(&r.state, "a", false).await;
+        a = Some(common::publisher_on(&endpoint, &replay, EventFormat::Vllm033).await);
+    }
+    until_connected(&r.state, "a", true).await;
+    r.stop().await;
+    ingest.stop().await;
+}
+
 /// The real binary as an index replica, killed with SIGKILL by the test.
 struct Replica {
     child: Child,
@@ -782,5 +831,82 @@ async fn killed_index_replica_recovers_from_its_snapshot_and_the_stream() {
     let r = Replica::start(&url, dir.path()).await;
     r.converge(&ingest.state, &prompts).await;
     r.kill();
+    ingest.stop().await;
+}
+
+/// The bus's throughput (not a pass/fail test): batches of 64 blocks of 16 tokens pushed
+/// through an ingest role's outbox onto the stream, and applied by an index replica.
+/// `cargo test --profile native -p kvroute-collector --test nats ingest_rate -- --ignored --nocapture`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn ingest_rate_through_nats() {
+    const BATCHES: u64 = 20_000;
+    const BLOCKS: u32 = 64;
+    const BLOCK_TOKENS: u32 = 16;
+    let nats = Nats::start().await;
+    let url = Nats::url(nats.port);
+    let ingest = Collector::start(config(Some(BusConfig {
+        outbox_batches: BATCHES as usize + 1024,
+        ..bus(&url, Role::Ingest, "unused")
+    })))
+    .await;
+    let r = Collector::start(config(Some(bus(&url, Role::Index, "rate")))).await;
+    let reg = kvroute::api::RegisterRequest {
+        instance_id: "bench".into(),
+        endpoint: "tcp://127.0.0.1:9".into(),
+        replay_endpoint: None,
+        model_name: M.into(),
+        tenant_id: None,
+        block_size: BLOCK_TOKENS,
+        dp_rank: None,
+        lora_name: None,
+        cache_salt: None,
+        address: Some("127.0.0.1:8000".into()),
+    };
+    ingest.state.register(reg).unwrap();
+    registered(&r.state, 1).await;
+    let reg = ingest.state.read().workers().next().unwrap().reg.clone();
+    let route = kvroute_collector::bus::Route::new(ingest.state.bus.clone().unwrap(), &reg, 0);
+    let payloads: Vec<Vec<u8>> = (0..BATCHES)
+        .map(|i| {
+            let base = (i as u32) * BLOCKS * BLOCK_TOKENS;
+            let t = tokens(base, BLOCKS * BLOCK_TOKENS);
+            kvroute_sim::wire::encode_events(
+                EventFormat::Vllm033,
+                kvroute_sim::wire::Extras::engine(EventFormat::Vllm033),
+                1.0,
+                &[stored(None, i * 1000 + 1, &t, BLOCK_TOKENS as usize)],
+                None,
+            )
+        })
+        .collect();
+    let bytes: usize = payloads.iter().map(Vec::len).sum();
+    let started = std::time::Instant::now();
+    for (seq, p) in payloads.iter().enumerate() {
+        route.publish(&ingest.state.metrics, wire::Kind::Batch, seq as u64, p);
+    }
+    let until = tokio::time::Instant::now() + Duration::from_secs(600);
+    while ingest.bus_count("out", "published") < BATCHES {
+        assert!(tokio::time::Instant::now() < until);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let published = started.elapsed();
+    while r.bus_count("in", "applied") < BATCHES {
+        assert!(tokio::time::Instant::now() < until);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let applied = started.elapsed();
+    let blocks = (BATCHES * u64::from(BLOCKS)) as f64;
+    println!(
+        "{BATCHES} batches x {BLOCKS} blocks ({:.1} MB): on the stream (acknowledged) in {:.2} s = {:.0} blocks/s, {:.0} batches/s; applied by an index replica in {:.2} s = {:.0} blocks/s",
+        bytes as f64 / 1e6,
+        published.as_secs_f64(),
+        blocks / published.as_secs_f64(),
+        BATCHES as f64 / published.as_secs_f64(),
+        applied.as_secs_f64(),
+        blocks / applied.as_secs_f64(),
+    );
+    assert_eq!(r.bus_count("in", "gap"), 0);
+    r.stop().await;
     ingest.stop().await;
 }

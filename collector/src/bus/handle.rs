@@ -82,6 +82,8 @@ pub struct Bus {
     down_since: Mutex<Option<Instant>>,
     /// Batches not published because the outbox was full.
     dropped: AtomicU64,
+    /// When the outbox last dropped one (`/health` says so for [`DROP_MEMORY`] after).
+    last_drop: Mutex<Option<Instant>>,
     /// The index consumer's last error, while it has one.
     consumer_problem: Mutex<Option<String>>,
     /// Stream sequence of the last message the index consumer applied (0: none yet).
@@ -98,6 +100,7 @@ impl Bus {
             connected: AtomicBool::new(false),
             down_since: Mutex::new(Some(Instant::now())),
             dropped: AtomicU64::new(0),
+            last_drop: Mutex::new(None),
             consumer_problem: Mutex::new(None),
             applied: AtomicU64::new(0),
         })
@@ -151,7 +154,7 @@ impl Bus {
             out.push(format!("nats: {queued} messages wait to be published"));
         }
         let dropped = self.dropped.load(Ordering::Relaxed);
-        if dropped > 0 {
+        if lock(&self.last_drop).is_some_and(|t| t.elapsed() < DROP_MEMORY) {
             out.push(format!(
                 "nats: {dropped} batches not published (outbox full); index replicas miss them"
             ));
@@ -167,6 +170,7 @@ impl Bus {
         match self.outbox.try_send(item) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
+                *lock(&self.last_drop) = Some(Instant::now());
                 if self.dropped.fetch_add(1, Ordering::Relaxed) == 0 {
                     warn!(
                         capacity = self.config.outbox_batches,
@@ -193,6 +197,21 @@ impl Bus {
             dp_rank,
         )
     }
+}
+
+/// How long `/health` stays degraded after the outbox dropped a batch.
+pub const DROP_MEMORY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A number this process drew at its first use: ids it makes do not collide with another
+/// process's, or an earlier run's.
+fn process_nonce() -> u64 {
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NONCE.get_or_init(|| {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        xxh3_64(&[t.to_le_bytes(), u64::from(std::process::id()).to_le_bytes()].concat())
+    })
 }
 
 /// The file in `--state-dir` naming the stream sequence a snapshot holds at least.
@@ -248,12 +267,26 @@ impl Route {
     /// Queues one message of this worker. Its id (worker, kind, seq, payload hash) lets
     /// JetStream drop a second copy within the duplicate window.
     pub fn publish(&self, metrics: &Metrics, kind: Kind, seq: u64, payload: &[u8]) {
-        let msg_id = format!(
-            "{}.{}.{seq}.{:016x}",
-            self.key,
-            kind.as_str(),
-            xxh3_64(payload)
-        );
+        let msg_id = if kind == Kind::Batch {
+            // The same batch from a resend (or a second ingest collector) has the same id.
+            format!(
+                "{}.{}.{seq}.{:016x}",
+                self.key,
+                kind.as_str(),
+                xxh3_64(payload)
+            )
+        } else {
+            // Stream events repeat (disconnected, connected, disconnected within the
+            // duplicate window): each gets its own id, kept across its resends.
+            static NEXT: AtomicU64 = AtomicU64::new(0);
+            format!(
+                "{}.{}.{:x}.{}",
+                self.key,
+                kind.as_str(),
+                process_nonce(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            )
+        };
         let body = wire::encode(kind, seq, self.dp_rank, &self.instance_id, payload);
         self.bus.send(
             metrics,
