@@ -176,6 +176,8 @@ pub async fn post_load(
                 },
                 now,
             );
+            // With --nats: every other collector sums it too.
+            crate::bus::load::fan_out(&state, &report, &table);
             Json(view(&fleet, epoch, &table, now)).into_response()
         }
         Err(e) => {

@@ -639,6 +639,125 @@ async fn repeated_stream_events_reach_the_replicas_every_time() {
     ingest.stop().await;
 }
 
+/// `GET /v1/load` of `c`: the epoch and, per instance, (worker id, requests, prefill tokens).
+async fn fleet_load(c: &Collector) -> (u64, BTreeMap<String, (u64, u64, u64)>) {
+    let v: serde_json::Value = reqwest::get(format!("http://{}/v1/load", c.addr))
+        .await
+        .expect("GET /v1/load")
+        .json()
+        .await
+        .expect("load JSON");
+    let mut out = BTreeMap::new();
+    for w in v["workers"].as_array().into_iter().flatten() {
+        out.insert(
+            w["instance_id"].as_str().unwrap_or("").to_owned(),
+            (
+                w["worker"].as_u64().unwrap_or(0),
+                w["requests"].as_u64().unwrap_or(0),
+                w["prefill_tokens"].as_u64().unwrap_or(0),
+            ),
+        );
+    }
+    (v["epoch"].as_u64().unwrap_or(0), out)
+}
+
+async fn post_load(c: &Collector, gateway: &str, instance: &str, requests: u64, prefill: u64) {
+    let (epoch, workers) = fleet_load(c).await;
+    let worker = workers[instance].0;
+    let r = reqwest::Client::new()
+        .post(format!("http://{}/v1/load", c.addr))
+        .json(&serde_json::json!({
+            "gateway": gateway,
+            "epoch": epoch,
+            "workers": [{ "worker": worker, "requests": requests, "prefill_tokens": prefill }],
+        }))
+        .send()
+        .await
+        .expect("POST /v1/load");
+    assert!(
+        r.status().is_success(),
+        "{}",
+        r.text().await.unwrap_or_default()
+    );
+}
+
+async fn until_load(c: &Collector, instance: &str, requests: u64, prefill: u64) {
+    let until = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let (_, w) = fleet_load(c).await;
+        let got = w.get(instance).map(|w| (w.1, w.2));
+        if got == Some((requests, prefill)) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "{instance}: load {got:?}, want {:?}",
+            (requests, prefill)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_load_reports_reach_every_replica() {
+    let nats = Nats::start().await;
+    let url = Nats::url(nats.port);
+    let ingest = Collector::start(config(Some(bus(&url, Role::Both, "unused")))).await;
+    let a = publisher(EventFormat::Vllm033, ReplayShape::New).await;
+    let b = publisher(EventFormat::Sglang, ReplayShape::New).await;
+    let c = publisher(EventFormat::Sglang, ReplayShape::New).await;
+    // c takes the ingest's slot 0 and goes: the replica, started after, gives b slot 0 and a
+    // slot 1, the ingest the other way round.
+    for (name, p) in [("c", &c), ("b", &b)] {
+        ingest
+            .state
+            .register(registration(name, p, M, None, 4))
+            .unwrap();
+    }
+    ingest
+        .state
+        .unregister(&kvroute::api::UnregisterRequest {
+            instance_id: "c".into(),
+            model_name: M.into(),
+            tenant_id: None,
+            dp_rank: None,
+        })
+        .unwrap();
+    // Two registrations and the unregistration written to the registry before the replica starts.
+    let until_written = tokio::time::Instant::now() + DEADLINE;
+    while ingest.bus_count("out", "registry") < 3 {
+        assert!(
+            tokio::time::Instant::now() < until_written,
+            "registry not written"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let r = Collector::start(config(Some(bus(&url, Role::Index, "load")))).await;
+    registered(&r.state, 1).await;
+    ingest
+        .state
+        .register(registration("a", &a, M, None, 4))
+        .unwrap();
+    registered(&r.state, 2).await;
+    let (_, wi) = fleet_load(&ingest).await;
+    let (_, wr) = fleet_load(&r).await;
+    assert_ne!(wi["a"].0, wr["a"].0, "the test needs different worker ids");
+    // Gateway g1 reports to the ingest collector, g2 to the replica: both sum both.
+    post_load(&ingest, "g1", "a", 3, 300).await;
+    post_load(&r, "g2", "a", 2, 200).await;
+    post_load(&r, "g2b", "b", 1, 10).await;
+    for c in [&ingest, &r] {
+        until_load(c, "a", 5, 500).await;
+        until_load(c, "b", 1, 10).await;
+    }
+    // A new report replaces the gateway's last one everywhere.
+    post_load(&ingest, "g1", "a", 0, 0).await;
+    until_load(&r, "a", 2, 200).await;
+    assert!(r.bus_count("in", "load_applied") >= 2);
+    r.stop().await;
+    ingest.stop().await;
+}
+
 /// The real binary as an index replica, killed with SIGKILL by the test.
 struct Replica {
     child: Child,

@@ -88,11 +88,18 @@ pub struct Bus {
     consumer_problem: Mutex<Option<String>>,
     /// Stream sequence of the last message the index consumer applied (0: none yet).
     applied: AtomicU64,
+    /// Accepted gateway load reports on their way to the other collectors ([`super::load`]).
+    load: mpsc::Sender<Bytes>,
+    load_rx: Mutex<Option<mpsc::Receiver<Bytes>>>,
+    /// Tells this collector's own messages apart (several may share a process in tests).
+    origin: u64,
 }
 
 impl Bus {
     pub fn new(config: BusConfig) -> Arc<Bus> {
         let (tx, rx) = mpsc::channel(config.outbox_batches);
+        let (load, load_rx) = mpsc::channel(LOAD_QUEUE);
+        static BUSES: AtomicU64 = AtomicU64::new(0);
         Arc::new(Bus {
             config,
             outbox: tx,
@@ -103,6 +110,9 @@ impl Bus {
             last_drop: Mutex::new(None),
             consumer_problem: Mutex::new(None),
             applied: AtomicU64::new(0),
+            load,
+            load_rx: Mutex::new(Some(load_rx)),
+            origin: process_nonce() ^ BUSES.fetch_add(1, Ordering::Relaxed),
         })
     }
 
@@ -113,6 +123,23 @@ impl Bus {
 
     pub(crate) fn set_applied(&self, stream_seq: u64) {
         self.applied.store(stream_seq, Ordering::Release);
+    }
+
+    /// This collector's id on the bus.
+    pub fn origin(&self) -> u64 {
+        self.origin
+    }
+
+    /// Queues an accepted load report for the other collectors; dropped (counted) when full.
+    pub(crate) fn send_load(&self, metrics: &Metrics, body: Bytes) {
+        if self.load.try_send(body).is_err() {
+            count(metrics, "out", "load_dropped");
+        }
+    }
+
+    /// The load queue's receiving end, once (for the load task).
+    pub(crate) fn take_load(&self) -> Option<mpsc::Receiver<Bytes>> {
+        lock(&self.load_rx).take()
     }
 
     /// The outbox's receiving end, once (for the publisher task).
@@ -198,6 +225,9 @@ impl Bus {
         )
     }
 }
+
+/// Load reports queued for NATS; more are dropped (the gateway's next one heals it).
+pub const LOAD_QUEUE: usize = 1024;
 
 /// How long `/health` stays degraded after the outbox dropped a batch.
 pub const DROP_MEMORY: std::time::Duration = std::time::Duration::from_secs(60);

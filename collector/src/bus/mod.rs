@@ -26,6 +26,7 @@
 
 pub mod consume;
 pub mod handle;
+pub mod load;
 pub mod publish;
 pub mod registry;
 pub mod settings;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::handle::Bus;
-use super::{consume, publish, registry};
+use super::{consume, load, publish, registry};
 use crate::shared::Shared;
 
 /// The bus tasks of one collector; aborted on drop of [`Tasks::stop`].
@@ -42,6 +42,7 @@ pub fn spawn(shared: &Arc<Shared>) -> Tasks {
         let mut set = tokio::task::JoinSet::new();
         set.spawn(publish::run(shared.clone(), bus.clone(), js.clone()));
         set.spawn(registry::watch(shared.clone(), bus.clone(), js.clone()));
+        set.spawn(load::run(shared.clone(), bus.clone(), client.clone()));
         if !bus.config.role.ingests() {
             set.spawn(consume::run(shared.clone(), bus.clone(), js.clone()));
         }
