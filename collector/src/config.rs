@@ -3,6 +3,10 @@
 //! `--config FILE` reads a TOML file with the same settings (snake_case keys); flags given on
 //! the command line win over the file. The raw settings are then [`validate`](RawConfig)d into
 //! a [`Config`], whose errors name the setting.
+//!
+//! One concern: the collector's settings, each written three times on purpose (the flag with
+//! its help, the file key, the validated field with its default and check), so the file grows
+//! with every setting rather than with any logic.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -199,6 +199,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_config_file_takes_a_nats_table_and_flags_win() {
+        let file: crate::config::FileConfig = toml::from_str(
+            "[nats]\nurl = \"nats://127.0.0.1:4222\"\nrole = \"index\"\ndurable = \"r1\"\nmax_age_secs = 60.0\n",
+        )
+        .unwrap();
+        let flags = NatsArgs {
+            nats_durable: Some("r2".into()),
+            ..NatsArgs::default()
+        };
+        let c = flags.into_config(file.nats, 9090).unwrap().unwrap();
+        assert_eq!(c.url, "nats://127.0.0.1:4222");
+        assert_eq!(c.role, Role::Index);
+        assert_eq!(c.durable, "r2");
+        assert_eq!(c.max_age, Duration::from_secs(60));
+        assert!(
+            toml::from_str::<crate::config::FileConfig>("[nats]\nurl = \"x\"\nbogus = 1\n")
+                .is_err()
+        );
+    }
+
+    #[test]
     fn settings_name_the_flag() {
         let args = NatsArgs {
             nats: Some("nats://127.0.0.1:4222".into()),
