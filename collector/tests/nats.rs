@@ -540,9 +540,17 @@ async fn nats_down_at_start_and_mid_run() {
         "{h}"
     );
 
-    // NATS comes: the outbox drains, an index replica builds the same index.
-    nats.up().await;
+    // An index replica started while NATS is down serves (nothing yet) and says why.
     let r = Collector::start(config(Some(bus(&url, Role::Index, "r")))).await;
+    let h = r.health().await;
+    assert_eq!(h["status"], "degraded", "{h}");
+    assert!(
+        h["reasons"].to_string().contains("nats: not connected"),
+        "{h}"
+    );
+
+    // NATS comes: the outbox drains, the replica builds the same index.
+    nats.up().await;
     converge(&r.state, &both.state, std::slice::from_ref(&t1)).await;
     wait_health(&both, "ok").await;
     wait_health(&r, "ok").await;
