@@ -118,7 +118,11 @@ fn gateway(image: &[(String, Vec<u8>)]) -> Gateway {
 
 /// A gateway on `image`; `extra`: more top-level keys of the filter's JSON config (`"k": v,`).
 fn gateway_with(image: &[(String, Vec<u8>)], with_fuel: bool, extra: &str) -> Gateway {
-    let wasm = built_wasm("kvroute_filter").unwrap_or_else(|e| panic!("{e}: run make wasm"));
+    // `KVROUTE_BENCH_WASM=<path>`: another build of the filter (a before/after in one run).
+    let wasm = match std::env::var_os("KVROUTE_BENCH_WASM") {
+        Some(p) => PathBuf::from(p),
+        None => built_wasm("kvroute_filter").unwrap_or_else(|e| panic!("{e}: run make wasm")),
+    };
     gateway_of(wasm, image, with_fuel, extra)
 }
 
