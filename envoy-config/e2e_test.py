@@ -692,6 +692,41 @@ def test_envoy_validate() -> None:
         check(p.returncode != 0, "envoy accepted a plugin configuration with an unknown key")
 
 
+class FailoverE2E(E2E):
+    """A standby collector over the same engines, named in `collector.failover_clusters`."""
+
+    def failovers(self) -> int:
+        stats = self.s.envoy_stats("kvroute.collector_failovers")
+        return sum(v for k, v in stats.items() if k.endswith("kvroute.collector_failovers"))
+
+    def test_collector_killed_the_standby_takes_over_without_a_routing_gap(self):
+        e, other = self.s.engines[1], self.s.engines[0]
+        t = fresh()
+        self.warm_and_wait(e, t)
+        check(self.failovers() == 0, "the feed moved while the primary collector was up")
+        stale_before = self.counter("stale_index")
+        self.s.kill_collector()
+        # The index the gateway holds routes on at once: no gap while the feed moves.
+        r, test_id = self.send(t + fresh(BS))
+        self.expect_routed(r, test_id, e, "right after the primary collector was killed")
+        # A prefix cached after the kill reaches the gateway through the standby's feed
+        # (2 failed pulls at 25 ms, then one snapshot), well inside stale_after_ms (5 s).
+        w = fresh()
+        r = self.s.completion(other.url, w)
+        check(r.status == 200, f"warm request to {other.name}: {r.status}")
+        t0 = time.monotonic()
+        K.wait_until(lambda: self.s.routed_to(w) == other.address, 4.0,
+                     "Envoy to route a prefix cached after the kill, through the standby",
+                     interval=0.05)
+        took = time.monotonic() - t0
+        K.wait_until(lambda: self.failovers() >= 1, 10, "kvroute.collector_failovers to count")
+        r, test_id = self.send(w + fresh(BS))
+        self.expect_routed(r, test_id, other, "through the standby's index")
+        check(self.counter("stale_index") == stale_before,
+              f"{self.counter('stale_index') - stale_before} requests failed open as "
+              f"stale_index during the failover (took {took:.2f}s)")
+
+
 def main() -> int:
     passed = failed = 0
 
@@ -771,6 +806,26 @@ def main() -> int:
                 load_stack.dump_logs(20)
         finally:
             load_stack.stop()
+    fo_names = [n for n in ["test_collector_killed_the_standby_takes_over_without_a_routing_gap"]
+                if not only or only in n]
+    if fo_names:
+        fo_stack = K.Stack(K.StackConfig(engines=2, standby_collector=True))
+        fo_failed = failed
+        try:
+            try:
+                fo_stack.start()
+            except Exception as exc:
+                for n in fo_names:
+                    failed += 1
+                    print(f"FAIL  {n[5:]}: failover stack did not start: {exc}", flush=True)
+                fo_names = []
+            suite = FailoverE2E(fo_stack)
+            for n in fo_names:
+                run(n[5:], getattr(suite, n))
+            if failed > fo_failed:
+                fo_stack.dump_logs(20)
+        finally:
+            fo_stack.stop()
     print(f"{passed} passed, {failed} failed", flush=True)
     return 1 if failed else 0
 

@@ -358,6 +358,10 @@ class Engine:
         return f"tcp://127.0.0.1:{self.replay_port}"
 
 
+# The standby collector's Envoy cluster (StackConfig.standby_collector).
+STANDBY_CLUSTER = "kvroute_collector_standby"
+
+
 @dataclass
 class StackConfig:
     engines: int = 3
@@ -380,6 +384,9 @@ class StackConfig:
     # Engines (indexes) registered with an event endpoint nothing listens on, as when vLLM
     # runs without --kv-events-config or a firewall is in the way.
     events_off: set[int] = field(default_factory=set)
+    # A second collector over the same engines (its own process, port and epoch), named to the
+    # filter in `collector.failover_clusters` as the cluster STANDBY_CLUSTER.
+    standby_collector: bool = False
     workdir: Path | None = None
     keep_workdir: bool = False
 
@@ -406,6 +413,8 @@ class Stack:
             if i in self.cfg.events_off:
                 self.engines[-1].dead_endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.collector_port = free_port()
+        self.standby_port = free_port()
+        self.standby: Proc | None = None
         self.listen_port = free_port()
         self.baseline_port = free_port()
         self.admin_port = free_port()
@@ -454,6 +463,8 @@ class Stack:
                 self.wait_engine(e)
             if self.cfg.with_collector:
                 self.start_collector()
+            if self.cfg.standby_collector:
+                self.start_standby()
             if self.cfg.with_envoy:
                 self.start_envoy()
         except BaseException:
@@ -462,7 +473,8 @@ class Stack:
             raise
 
     def stop(self) -> None:
-        for p in self.extra_envoys + [self.envoy, self.collector] + [e.proc for e in self.engines]:
+        for p in (self.extra_envoys + [self.envoy, self.collector, self.standby]
+                  + [e.proc for e in self.engines]):
             if p is not None:
                 p.stop()
         for e in self.engines:
@@ -473,7 +485,7 @@ class Stack:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def dump_logs(self, n: int = 25) -> None:
-        for p in [self.envoy, self.collector] + [e.proc for e in self.engines]:
+        for p in [self.envoy, self.collector, self.standby] + [e.proc for e in self.engines]:
             if p is not None:
                 log(f"--- last lines of {p.name} ({p.log_path}) ---\n{p.tail(n)}")
 
@@ -524,8 +536,9 @@ class Stack:
             spec += f",tenant={e.tenant}"
         return spec
 
-    def collector_argv(self) -> list[str]:
-        argv = [str(self.bin / "kvroute-collector"), "--listen", f"127.0.0.1:{self.collector_port}"]
+    def collector_argv(self, port: int | None = None) -> list[str]:
+        port = port or self.collector_port
+        argv = [str(self.bin / "kvroute-collector"), "--listen", f"127.0.0.1:{port}"]
         for e in self.engines:
             argv += ["--worker", self.worker_spec(e)]
         return argv + list(self.cfg.collector_args)
@@ -545,6 +558,23 @@ class Stack:
         if self.collector:
             self.collector.kill()
             self.collector = None
+
+    @property
+    def standby_url(self) -> str:
+        return f"http://127.0.0.1:{self.standby_port}"
+
+    def start_standby(self, timeout: float = 30.0) -> None:
+        """The standby collector: the same engines, subscribed on its own (ZMQ PUB fans out)."""
+        self.standby = Proc("standby", self.collector_argv(self.standby_port),
+                            self.workdir / "standby.log",
+                            env={"RUST_LOG": os.environ.get("RUST_LOG", "kvroute_collector=info"),
+                                 "NO_COLOR": "1"})
+
+        def ok():
+            if not self.standby.alive():
+                raise RuntimeError(f"standby collector exited:\n{self.standby.tail()}")
+            return http("GET", self.standby_url + "/health", timeout=2).status == 200
+        wait_until(ok, timeout, "standby collector /health")
 
     def workers(self) -> object:
         return http("GET", self.collector_url + "/workers", timeout=5).json()
@@ -573,6 +603,13 @@ class Stack:
             "ENGINE_LB_ENDPOINTS": render.lb_endpoints([e.address for e in self.engines]),
             "ACCESS_LOG": str(self.access_log),
         }
+        if self.cfg.standby_collector:
+            v["COLLECTOR_EXTRA"] = f', "failover_clusters": ["{STANDBY_CLUSTER}"]'
+            v["EXTRA_CLUSTERS"] = "  - " + json.dumps({
+                "name": STANDBY_CLUSTER, "type": "STATIC", "connect_timeout": "0.25s",
+                "load_assignment": {"cluster_name": STANDBY_CLUSTER, "endpoints": [
+                    {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
+                        "address": "127.0.0.1", "port_value": self.standby_port}}}}]}]}})
         v.update(self.cfg.envoy_values)
         return v
 
