@@ -84,6 +84,7 @@ test-e2e: wasm
 	bash envoy-config/install-envoy.sh >/dev/null
 	KVROUTE_PROFILE=debug python3 envoy-config/e2e_test.py
 	KVROUTE_PROFILE=debug python3 envoy-config/e2e_text_test.py
+	KVROUTE_PROFILE=debug python3 envoy-config/e2e_alarm_test.py
 
 ## The filter without its load books (feature bench-unbooked), for the host bench only: the
 ## bookkeeping line prices the books as the difference. Never shipped.

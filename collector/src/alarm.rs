@@ -263,8 +263,12 @@ pub struct Alarm {
 #[derive(Clone, Copy, Debug)]
 struct Seen {
     events: u64,
-    /// Since when it has served traffic without a new event.
-    silent_since: Instant,
+    /// Since when it has been sent traffic without a KV event following.
+    silent_since: Option<Instant>,
+    /// When traffic for it was last seen (requests in flight, or newly routed ones).
+    last_traffic: Option<Instant>,
+    /// The gateways' cumulative prompt tokens routed to it, when they report them.
+    routed: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -295,6 +299,9 @@ pub struct EngineObservation {
     pub events: u64,
     /// In-flight requests the gateways report for it.
     pub requests: u64,
+    /// The prompt tokens gateways routed to it since the collector started (the truth
+    /// check's counts; `None` when no gateway reports them).
+    pub routed: Option<u64>,
 }
 
 impl Alarms {
@@ -409,25 +416,52 @@ impl Alarms {
         let mut seen = HashMap::with_capacity(engines.len().min(MAX_TRACKED));
         for e in engines.iter().take(MAX_TRACKED) {
             let prev = inner.seen.get(&e.worker).copied();
+            // Traffic: requests newly routed to it when the gateways say so (a decoding
+            // engine stores no new prompt blocks, so in-flight requests alone are not a
+            // reason to expect events), else requests in flight.
+            let routed_grew = match (prev.and_then(|p| p.routed), e.routed) {
+                (Some(a), Some(b)) => Some(b > a),
+                (None, Some(b)) => Some(b > 0 && prev.is_some()),
+                _ => None,
+            };
+            let traffic = routed_grew.unwrap_or(false) || e.requests > 0;
+            let last_traffic = if traffic {
+                Some(now)
+            } else {
+                prev.and_then(|p| p.last_traffic)
+            };
             let silent_since = match prev {
-                // Still silent and still serving: the window goes on.
-                Some(p) if p.events == e.events && e.requests > 0 => p.silent_since,
-                _ => now,
+                // An event came: the window closes (and opens again on traffic in the
+                // fallback, where in-flight requests are all there is to go on).
+                Some(p) if p.events != e.events => {
+                    (routed_grew.is_none() && e.requests > 0).then_some(now)
+                }
+                // Without routed counts, the window lasts while requests are in flight.
+                Some(_) if routed_grew.is_none() && e.requests == 0 => None,
+                Some(p) => p
+                    .silent_since
+                    .or(routed_grew.unwrap_or(e.requests > 0).then_some(now)),
+                None => (e.requests > 0).then_some(now),
             };
             seen.insert(
                 e.worker,
                 Seen {
                     events: e.events,
                     silent_since,
+                    last_traffic,
+                    routed: e.routed,
                 },
             );
-            let silent = now.saturating_duration_since(silent_since);
-            if e.requests > 0 && silent >= silent_after {
+            let silent = silent_since.map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
+            let recent = last_traffic.is_some_and(|t| {
+                now.saturating_duration_since(t) < silent_after.max(Duration::from_secs(1))
+            });
+            if silent_since.is_some() && (e.requests > 0 || recent) && silent >= silent_after {
                 let a = Alarm {
                     kind: AlarmKind::EngineSilent,
                     subject: e.subject.clone(),
                     reason: format!(
-                        "engine_silent: {} serves {} requests and sent no KV event for {:.0} s; it is routed with an empty cache (KV events off? --kv-events-config, the registered endpoint, a firewall)",
+                        "engine_silent: {} is sent requests ({} in flight) and sent no KV event for {:.0} s; it is routed with an empty cache (KV events off? --kv-events-config, the registered endpoint, a firewall)",
                         e.subject,
                         e.requests,
                         silent.as_secs_f64()
@@ -629,6 +663,7 @@ mod tests {
             subject: "a/0".into(),
             events,
             requests,
+            routed: None,
         }]
     }
 
@@ -647,6 +682,32 @@ mod tests {
         assert!(alarms
             .evaluate(&obs(1, 3), n, t0 + 2 * n + n / 2)
             .is_empty());
+    }
+
+    #[test]
+    fn with_routed_counts_only_new_requests_open_the_window() {
+        let alarms = Alarms::default();
+        let t0 = Instant::now();
+        let n = Duration::from_secs(10);
+        let o = |events: u64, requests: u64, routed: u64| {
+            vec![EngineObservation {
+                worker: WorkerId(1),
+                subject: "a/0".into(),
+                events,
+                requests,
+                routed: Some(routed),
+            }]
+        };
+        // A healthy engine: each routing is followed by an event; long decodes in flight
+        // with nothing newly routed are no reason to expect one.
+        assert!(alarms.evaluate(&o(0, 0, 0), n, t0).is_empty());
+        assert!(alarms.evaluate(&o(1, 2, 100), n, t0 + n).is_empty());
+        assert!(alarms.evaluate(&o(1, 2, 100), n, t0 + 3 * n).is_empty());
+        // Requests routed, no event since: raised once the window passes.
+        assert!(alarms.evaluate(&o(1, 2, 200), n, t0 + 4 * n).is_empty());
+        assert!(alarms.evaluate(&o(1, 0, 300), n, t0 + 5 * n).len() == 1);
+        // Traffic stops altogether: it clears.
+        assert!(alarms.evaluate(&o(1, 0, 300), n, t0 + 7 * n).is_empty());
     }
 
     #[test]

@@ -432,7 +432,10 @@ async fn metrics(State(state): State<AppState>) -> Response {
 /// Evaluates every alarm of `state` now and updates their gauges.
 pub(crate) fn evaluate_alarms(state: &AppState) -> Vec<Alarm> {
     let now = Instant::now();
-    let totals = state.fleet().totals(now);
+    let (totals, routed) = {
+        let fleet = state.fleet();
+        (fleet.totals(now), fleet.truth().routed_totals())
+    };
     let engines: Vec<EngineObservation> = {
         let hub = state.read();
         hub.workers()
@@ -443,6 +446,7 @@ pub(crate) fn evaluate_alarms(state: &AppState) -> Vec<Alarm> {
                 requests: totals
                     .binary_search_by_key(&w.id, |t| t.worker)
                     .map_or(0, |i| totals[i].load.requests),
+                routed: routed.get(&w.id).copied(),
             })
             .collect()
     };

@@ -98,6 +98,9 @@ struct WorkerTruth {
     last_engine: Option<(f64, f64)>,
     block_size: Option<u32>,
     prefix_caching: Option<bool>,
+    /// Every routed prompt token reported since the collector started (the first report of
+    /// each gateway a baseline); `None` until a gateway reports any.
+    routed_total: Option<u64>,
 }
 
 impl WorkerTruth {
@@ -219,12 +222,16 @@ impl Truth {
                 continue;
             }
             self.last_report.insert(key, (predicted, routed));
+            if let Some(t) = self.worker(w) {
+                t.routed_total.get_or_insert(0);
+            }
             let Some(last) = last else { continue };
             let (dp, dr) = (step(Some(last.0), predicted), step(Some(last.1), routed));
             if dp == 0 && dr == 0 {
                 continue;
             }
             if let Some(t) = self.worker(w) {
+                t.routed_total = Some(t.routed_total.unwrap_or(0).saturating_add(dr));
                 let b = t.bucket(now, width);
                 b.predicted = b.predicted.saturating_add(dp);
                 b.routed = b.routed.saturating_add(dr);
@@ -257,6 +264,15 @@ impl Truth {
             b.rate_sum += r.clamp(0.0, 1.0);
             b.rate_n += 1;
         }
+    }
+
+    /// Every worker's routed prompt tokens since the collector started, for the workers some
+    /// gateway reports them for.
+    pub fn routed_totals(&self) -> HashMap<WorkerId, u64> {
+        self.workers
+            .iter()
+            .filter_map(|(w, t)| Some((*w, t.routed_total?)))
+            .collect()
     }
 
     /// Forgets unregistered workers.
