@@ -380,6 +380,35 @@ async fn index_replicas_agree_with_each_other_and_with_direct_zmq() {
         .unwrap();
     registered(&ingest.state, 1).await;
     registered(&r1.state, 1).await;
+    // Registered again (the same slot): its engine's buffer replayed from 0 on the ingest
+    // and direct collectors, and the replicas take it as a new worker's, not as copies.
+    direct
+        .state
+        .unregister(&kvroute::api::UnregisterRequest {
+            instance_id: "b".into(),
+            model_name: M.into(),
+            tenant_id: None,
+            dp_rank: None,
+        })
+        .unwrap();
+    ingest
+        .state
+        .register(registration("b", &b, M, None, 4))
+        .unwrap();
+    direct
+        .state
+        .register(registration("b", &b, M, None, 4))
+        .unwrap();
+    let last = prompts.last().unwrap().clone();
+    for c in [&ingest, &direct] {
+        until(&c.state, &mut b, |h| {
+            common::longest(h, &last, M, None, "b") == 16
+        })
+        .await;
+    }
+    converge(&ingest.state, &direct.state, &prompts).await;
+    converge(&r1.state, &direct.state, &prompts).await;
+    converge(&r2.state, &direct.state, &prompts).await;
     for c in [r1, r2, ingest, direct] {
         c.stop().await;
     }

@@ -38,10 +38,21 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// How long a delivered, unacknowledged message waits before it is delivered again.
 const ACK_WAIT: Duration = Duration::from_secs(5);
 
-/// What the consumer knows per worker: the last engine sequence number applied.
+/// What the consumer knows per worker: the last engine sequence number applied, under the
+/// registration it was applied to (a worker unregistered and registered again, or another
+/// one in its slot, starts over).
 #[derive(Debug, Default)]
 struct Follow {
-    last: HashMap<WorkerId, u64>,
+    last: HashMap<WorkerId, (u64, u64)>,
+}
+
+impl Follow {
+    fn get(&self, id: WorkerId, generation: u64) -> Option<u64> {
+        self.last
+            .get(&id)
+            .filter(|(g, _)| *g == generation)
+            .map(|&(_, seq)| seq)
+    }
 }
 
 /// Runs for as long as the collector does; reopens the consumer after every error.
@@ -51,7 +62,7 @@ pub async fn run(shared: Arc<Shared>, bus: Arc<Bus>, js: jetstream::Context) {
     // From --state-dir: what the snapshot had applied.
     for w in shared.read().workers() {
         if let (None, Some(s)) = (w.source, w.status.last_seq) {
-            follow.last.insert(w.id, s);
+            follow.last.insert(w.id, (w.generation, s));
         }
     }
     // Only the first opening looks at the snapshot; later ones (after an error) go on from
@@ -198,14 +209,15 @@ async fn on_message(
         count(&shared.metrics, "in", "unknown_worker");
         return;
     };
+    let generation = shared.read().worker(id).map_or(0, |w| w.generation);
     match env.kind {
         Kind::Batch => {
-            match follow.last.get(&id) {
-                Some(&last) if env.seq <= last => {
+            match follow.get(id, generation) {
+                Some(last) if env.seq <= last => {
                     count(&shared.metrics, "in", "duplicate");
                     return;
                 }
-                Some(&last) if env.seq > last + 1 => {
+                Some(last) if env.seq > last + 1 => {
                     warn!(instance = %env.instance_id, last, seq = env.seq, "nats: sequence gap");
                     count(&shared.metrics, "in", "gap");
                     shared
@@ -219,7 +231,7 @@ async fn on_message(
                 }
                 _ => {}
             }
-            follow.last.insert(id, env.seq);
+            follow.last.insert(id, (generation, env.seq));
             match crate::decode::decode(&env.payload) {
                 Ok(batch) => {
                     shared.apply_batch(id, env.seq, batch).await;

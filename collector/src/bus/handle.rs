@@ -279,41 +279,47 @@ pub struct Route {
     bus: Arc<Bus>,
     subject: String,
     key: String,
+    /// Tells this subscriber's messages from an earlier one's of the same worker (a worker
+    /// registered again replays its engine's buffer: the same seqs and payloads, which must
+    /// not be taken for copies).
+    incarnation: u64,
     instance_id: String,
     dp_rank: u32,
 }
 
 impl Route {
     pub fn new(bus: Arc<Bus>, reg: &kvroute::api::RegisterRequest, dp_rank: u32) -> Route {
+        static ROUTES: AtomicU64 = AtomicU64::new(0);
         Route {
             subject: bus.subject_of(reg, dp_rank),
             key: worker_key(&reg.instance_id, dp_rank),
+            incarnation: process_nonce() ^ ROUTES.fetch_add(1, Ordering::Relaxed),
             instance_id: reg.instance_id.clone(),
             dp_rank,
             bus,
         }
     }
 
-    /// Queues one message of this worker. Its id (worker, kind, seq, payload hash) lets
-    /// JetStream drop a second copy within the duplicate window.
+    /// Queues one message of this worker. Its id stays the same when the publisher sends it
+    /// again, so JetStream drops the second copy (within its duplicate window): worker,
+    /// subscriber incarnation, kind, then seq and payload hash for a batch, a counter for a
+    /// stream event (those repeat: disconnected, connected, disconnected).
     pub fn publish(&self, metrics: &Metrics, kind: Kind, seq: u64, payload: &[u8]) {
         let msg_id = if kind == Kind::Batch {
-            // The same batch from a resend (or a second ingest collector) has the same id.
             format!(
-                "{}.{}.{seq}.{:016x}",
+                "{}.{:x}.{}.{seq}.{:016x}",
                 self.key,
+                self.incarnation,
                 kind.as_str(),
                 xxh3_64(payload)
             )
         } else {
-            // Stream events repeat (disconnected, connected, disconnected within the
-            // duplicate window): each gets its own id, kept across its resends.
             static NEXT: AtomicU64 = AtomicU64::new(0);
             format!(
-                "{}.{}.{:x}.{}",
+                "{}.{:x}.{}.{}",
                 self.key,
+                self.incarnation,
                 kind.as_str(),
-                process_nonce(),
                 NEXT.fetch_add(1, Ordering::Relaxed)
             )
         };
