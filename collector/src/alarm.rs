@@ -49,6 +49,8 @@ const MAX_MODELS_PER_REPORT: usize = 64;
 
 /// Fewest approximate text decisions within the window for `text_approximate`.
 pub const TEXT_MIN_APPROX: u64 = 10;
+/// Longest version or contract string kept from a gateway's report, bytes.
+const MAX_FACT_BYTES: usize = 64;
 /// Most gateways remembered for the gateway alarms; over it the one silent longest goes.
 const MAX_GATEWAYS: usize = 256;
 
@@ -340,8 +342,19 @@ impl Alarms {
         }
     }
 
-    /// Takes what a gateway's report says of itself, at `now`.
-    pub fn note_gateway(&self, gateway: &str, facts: GatewayFacts, now: Instant) {
+    /// Takes what a gateway's report says of itself, at `now`. Its version and contract are
+    /// cut to [`MAX_FACT_BYTES`]: they end up in `/health` lines.
+    pub fn note_gateway(&self, gateway: &str, mut facts: GatewayFacts, now: Instant) {
+        for f in [&mut facts.version, &mut facts.contract]
+            .into_iter()
+            .flatten()
+        {
+            let mut end = f.len().min(MAX_FACT_BYTES);
+            while !f.is_char_boundary(end) {
+                end -= 1;
+            }
+            f.truncate(end);
+        }
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         if !inner.gateways.contains_key(gateway) && inner.gateways.len() >= MAX_GATEWAYS {
             let oldest = inner
@@ -791,6 +804,48 @@ mod tests {
         // Under the volume floor nothing is judged, however far apart.
         assert!(alarms
             .evaluate_all(&[], Duration::MAX, &extra(0, 4000), t0)
+            .is_empty());
+    }
+
+    #[test]
+    fn gateway_facts_are_bounded_and_judged_only_when_given() {
+        let alarms = Alarms::default();
+        let t0 = Instant::now();
+        let exp = Extra {
+            expected: Some(Expected {
+                version: "1.0".into(),
+                contract: "c".into(),
+                stale_after: Duration::from_secs(30),
+            }),
+            ..Extra::default()
+        };
+        alarms.note_gateway("old", GatewayFacts::default(), t0);
+        alarms.note_gateway(
+            "long",
+            GatewayFacts {
+                version: Some("é".repeat(1000)),
+                ..GatewayFacts::default()
+            },
+            t0,
+        );
+        let raised = alarms.evaluate_all(&[], Duration::MAX, &exp, t0);
+        assert_eq!(raised.len(), 1, "{raised:?}");
+        assert_eq!(raised[0].kind, AlarmKind::GatewayMismatch);
+        assert_eq!(raised[0].subject, "long");
+        assert!(raised[0].reason.len() < 400, "{}", raised[0].reason);
+        // Past the stale threshold both are stale; past ten times it, forgotten.
+        let later = t0 + Duration::from_secs(31);
+        let stale = alarms.evaluate_all(&[], Duration::MAX, &exp, later);
+        assert_eq!(
+            stale
+                .iter()
+                .filter(|a| a.kind == AlarmKind::GatewayStale)
+                .count(),
+            2
+        );
+        let gone = t0 + Duration::from_secs(301);
+        assert!(alarms
+            .evaluate_all(&[], Duration::MAX, &exp, gone)
             .is_empty());
     }
 
