@@ -153,7 +153,8 @@ fn bus(url: &str, role: Role, durable: &str) -> BusConfig {
         subject_prefix: "kvroute".into(),
         durable: durable.into(),
         registry_stream: "KVROUTE_REGISTRY".into(),
-        max_age: Duration::from_secs(3600),
+        // Under the 2-minute duplicate window: the stream must still be made.
+        max_age: Duration::from_secs(90),
         max_bytes: 64 << 20,
         max_message_bytes: 1 << 20,
         outbox_batches: 65_536,

@@ -33,7 +33,8 @@ pub fn stream_config(bus: &Bus, max_message_bytes: usize) -> stream::Config {
         max_message_size: i32::try_from(max_message_bytes).unwrap_or(i32::MAX),
         storage: stream::StorageType::File,
         discard: stream::DiscardPolicy::Old,
-        duplicate_window: DUPLICATE_WINDOW,
+        // The server refuses a window longer than the age limit.
+        duplicate_window: DUPLICATE_WINDOW.min(bus.config.max_age),
         ..Default::default()
     }
 }
