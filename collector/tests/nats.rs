@@ -1067,3 +1067,63 @@ async fn ingest_rate_through_nats() {
     r.stop().await;
     ingest.stop().await;
 }
+
+/// What the bus adds to an event's way into an index replica (not a pass/fail test): one
+/// small batch at a time, from the ingest side's outbox to the replica's index.
+/// `cargo test --profile native -p kvroute-collector --test nats latency -- --ignored --nocapture`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn latency_through_nats() {
+    const N: u64 = 1000;
+    let nats = Nats::start().await;
+    let url = Nats::url(nats.port);
+    let ingest = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
+    let r = Collector::start(config(Some(bus(&url, Role::Index, "latency")))).await;
+    let reg = kvroute::api::RegisterRequest {
+        instance_id: "bench".into(),
+        endpoint: "tcp://127.0.0.1:9".into(),
+        replay_endpoint: None,
+        model_name: M.into(),
+        tenant_id: None,
+        block_size: 16,
+        dp_rank: None,
+        lora_name: None,
+        cache_salt: None,
+        address: Some("127.0.0.1:8000".into()),
+    };
+    ingest.state.register(reg).unwrap();
+    registered(&r.state, 1).await;
+    let reg = ingest.state.read().workers().next().unwrap().reg.clone();
+    let route = kvroute_collector::bus::Route::new(ingest.state.bus.clone().unwrap(), &reg, 0);
+    let mut took = Vec::with_capacity(N as usize);
+    for seq in 0..N {
+        let t = tokens(seq as u32 * 64, 64);
+        let payload = kvroute_sim::wire::encode_events(
+            EventFormat::Vllm033,
+            kvroute_sim::wire::Extras::engine(EventFormat::Vllm033),
+            1.0,
+            &[stored(None, seq * 10 + 1, &t, 16)],
+            None,
+        );
+        let started = std::time::Instant::now();
+        route.publish(&ingest.state.metrics, wire::Kind::Batch, seq, &payload);
+        assert!(
+            r.state
+                .wait_until(DEADLINE, |h| h
+                    .workers()
+                    .any(|w| w.status.last_seq == Some(seq)))
+                .await
+        );
+        took.push(started.elapsed());
+    }
+    took.sort();
+    let q = |p: f64| took[((took.len() as f64 * p) as usize).min(took.len() - 1)];
+    println!(
+        "{N} batches one at a time, outbox to a replica's index: p50 {:?}, p99 {:?}, max {:?}",
+        q(0.5),
+        q(0.99),
+        took[took.len() - 1]
+    );
+    r.stop().await;
+    ingest.stop().await;
+}
