@@ -779,53 +779,41 @@ def main() -> int:
     finally:
         stack.stop()
 
-    load_names = [n for n in ["test_cold_requests_avoid_a_busy_engine",
-                              "test_prefill_released_at_first_byte",
-                              "test_two_envoys_share_load_through_the_collector",
-                              "test_two_gateways_both_keep_cold_requests_off_an_engine_busy_through_one",
-                              "test_speculative_entry_routes_a_sibling_then_expires",
-                              "test_metrics_down_or_slow_routing_goes_on",
-                              "test_full_engine_queue_gets_no_cold_request",
-                              "test_an_engine_down_stops_receiving_traffic_and_comes_back"]
-                  if not only or only in n]
-    if load_names:
-        load_stack = K.Stack(load_stack_config())
-        load_failed = failed
+    def run_stack(what: str, cfg: K.StackConfig, suite_cls, wanted: list[str]) -> None:
+        """Runs the `wanted` tests of `suite_cls` on a stack of their own."""
+        nonlocal failed
+        names = [n for n in wanted if not only or only in n]
+        if not names:
+            return
+        stack = K.Stack(cfg)
+        before = failed
         try:
             try:
-                load_stack.start()
+                stack.start()
             except Exception as exc:
-                for n in load_names:
+                for n in names:
                     failed += 1
-                    print(f"FAIL  {n[5:]}: load stack did not start: {exc}", flush=True)
-                load_names = []
-            suite = LoadE2E(load_stack)
-            for n in load_names:
+                    print(f"FAIL  {n[5:]}: {what} stack did not start: {exc}", flush=True)
+                return
+            suite = suite_cls(stack)
+            for n in names:
                 run(n[5:], getattr(suite, n))
-            if failed > load_failed:
-                load_stack.dump_logs(20)
+            if failed > before:
+                stack.dump_logs(20)
         finally:
-            load_stack.stop()
-    fo_names = [n for n in ["test_collector_killed_the_standby_takes_over_without_a_routing_gap"]
-                if not only or only in n]
-    if fo_names:
-        fo_stack = K.Stack(K.StackConfig(engines=2, standby_collector=True))
-        fo_failed = failed
-        try:
-            try:
-                fo_stack.start()
-            except Exception as exc:
-                for n in fo_names:
-                    failed += 1
-                    print(f"FAIL  {n[5:]}: failover stack did not start: {exc}", flush=True)
-                fo_names = []
-            suite = FailoverE2E(fo_stack)
-            for n in fo_names:
-                run(n[5:], getattr(suite, n))
-            if failed > fo_failed:
-                fo_stack.dump_logs(20)
-        finally:
-            fo_stack.stop()
+            stack.stop()
+
+    run_stack("load", load_stack_config(), LoadE2E,
+              ["test_cold_requests_avoid_a_busy_engine",
+               "test_prefill_released_at_first_byte",
+               "test_two_envoys_share_load_through_the_collector",
+               "test_two_gateways_both_keep_cold_requests_off_an_engine_busy_through_one",
+               "test_speculative_entry_routes_a_sibling_then_expires",
+               "test_metrics_down_or_slow_routing_goes_on",
+               "test_full_engine_queue_gets_no_cold_request",
+               "test_an_engine_down_stops_receiving_traffic_and_comes_back"])
+    run_stack("failover", K.StackConfig(engines=2, standby_collector=True), FailoverE2E,
+              ["test_collector_killed_the_standby_takes_over_without_a_routing_gap"])
     print(f"{passed} passed, {failed} failed", flush=True)
     return 1 if failed else 0
 

@@ -543,16 +543,21 @@ class Stack:
             argv += ["--worker", self.worker_spec(e)]
         return argv + list(self.cfg.collector_args)
 
-    def start_collector(self, timeout: float = 30.0) -> None:
-        self.collector = Proc("collector", self.collector_argv(), self.workdir / "collector.log",
-                              env={"RUST_LOG": os.environ.get("RUST_LOG", "kvroute_collector=info"),
-                                   "NO_COLOR": "1"})
+    def _collector_proc(self, name: str, port: int, timeout: float) -> Proc:
+        """Starts a collector over every engine on `port` and waits for its /health."""
+        p = Proc(name, self.collector_argv(port), self.workdir / f"{name}.log",
+                 env={"RUST_LOG": os.environ.get("RUST_LOG", "kvroute_collector=info"),
+                      "NO_COLOR": "1"})
 
         def ok():
-            if not self.collector.alive():
-                raise RuntimeError(f"collector exited:\n{self.collector.tail()}")
-            return http("GET", self.collector_url + "/health", timeout=2).status == 200
-        wait_until(ok, timeout, "collector /health")
+            if not p.alive():
+                raise RuntimeError(f"{name} exited:\n{p.tail()}")
+            return http("GET", f"http://127.0.0.1:{port}/health", timeout=2).status == 200
+        wait_until(ok, timeout, f"{name} /health")
+        return p
+
+    def start_collector(self, timeout: float = 30.0) -> None:
+        self.collector = self._collector_proc("collector", self.collector_port, timeout)
 
     def kill_collector(self) -> None:
         if self.collector:
@@ -565,16 +570,7 @@ class Stack:
 
     def start_standby(self, timeout: float = 30.0) -> None:
         """The standby collector: the same engines, subscribed on its own (ZMQ PUB fans out)."""
-        self.standby = Proc("standby", self.collector_argv(self.standby_port),
-                            self.workdir / "standby.log",
-                            env={"RUST_LOG": os.environ.get("RUST_LOG", "kvroute_collector=info"),
-                                 "NO_COLOR": "1"})
-
-        def ok():
-            if not self.standby.alive():
-                raise RuntimeError(f"standby collector exited:\n{self.standby.tail()}")
-            return http("GET", self.standby_url + "/health", timeout=2).status == 200
-        wait_until(ok, timeout, "standby collector /health")
+        self.standby = self._collector_proc("standby", self.standby_port, timeout)
 
     def workers(self) -> object:
         return http("GET", self.collector_url + "/workers", timeout=5).json()
