@@ -21,11 +21,10 @@ use bytes::Bytes;
 use kvroute::feed::{LOAD_EXCLUDES_HEADER, REPLICA_HEADER};
 use serde::Deserialize;
 
-use crate::alarm::{Alarm, EngineObservation};
 use crate::edge;
 use crate::fleet::GatewayId;
 use crate::hub::Registered;
-use crate::metrics::{AlarmLabels, EndpointLabels, FeedLabels};
+use crate::metrics::{EndpointLabels, FeedLabels};
 use crate::reply::json;
 pub use crate::reply::ApiError;
 use crate::shared::AppState;
@@ -397,7 +396,7 @@ async fn health(State(state): State<AppState>) -> Response {
     drop(hub);
     // Degraded still answers 200: the collector serves; the reasons say what is wrong.
     let mut problems = state.problems();
-    let alarms = evaluate_alarms(&state);
+    let alarms = crate::health::evaluate_alarms(&state);
     problems.extend(alarms.iter().map(|a| a.reason.clone()));
     let status = if problems.is_empty() {
         "ok"
@@ -415,7 +414,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
     state.read().update_gauges(&state.metrics);
     // Also refreshes the ingest lag gauge.
     state.problems();
-    evaluate_alarms(&state);
+    crate::health::evaluate_alarms(&state);
     let gateways = state.fleet().gateways(Instant::now());
     state.metrics.fleet_gateways.set(gateways as i64);
     let body = state.metrics.encode();
@@ -427,124 +426,4 @@ async fn metrics(State(state): State<AppState>) -> Response {
         body,
     )
         .into_response()
-}
-
-/// Evaluates every alarm of `state` now and updates their gauges.
-pub(crate) fn evaluate_alarms(state: &AppState) -> Vec<Alarm> {
-    let now = Instant::now();
-    let (totals, routed) = {
-        let fleet = state.fleet();
-        (fleet.totals(now), fleet.truth().routed_totals())
-    };
-    let engines: Vec<EngineObservation> = {
-        let hub = state.read();
-        hub.workers()
-            .map(|w| EngineObservation {
-                worker: w.id,
-                subject: format!("{}/{}", w.reg.instance_id, w.dp_rank()),
-                events: w.status.events,
-                requests: totals
-                    .binary_search_by_key(&w.id, |t| t.worker)
-                    .map_or(0, |i| totals[i].load.requests),
-                routed: routed.get(&w.id).copied(),
-            })
-            .collect()
-    };
-    let extra = alarm_inputs(state, now);
-    let before = state.alarms.raised_keys();
-    let alarms = state
-        .alarms
-        .evaluate_all(&engines, state.config.alarm_silent, &extra, now);
-    // A cleared alarm's series is dropped, not left at 0 forever: subjects come and go.
-    for (kind, subject) in before {
-        state.metrics.alarm.remove(&AlarmLabels {
-            alarm: kind.as_str(),
-            subject,
-        });
-    }
-    for a in &alarms {
-        state
-            .metrics
-            .alarm
-            .get_or_create(&AlarmLabels {
-                alarm: a.kind.as_str(),
-                subject: a.subject.clone(),
-            })
-            .set(1);
-    }
-    state.metrics.alarms_raised.set(alarms.len() as i64);
-    alarms
-}
-
-/// The truth check's readings with what the registry knows of each worker, the gateway
-/// checks' expectations; sets the truth gauges on the way.
-fn alarm_inputs(state: &AppState, now: Instant) -> crate::alarm::Extra {
-    use crate::metrics::{ModelLabels, WorkerLabels};
-    let readings = state.fleet().truth().readings(now);
-    let hub = state.read();
-    let truth: Vec<crate::alarm::TruthObservation> = readings
-        .into_iter()
-        .filter_map(|reading| {
-            let w = hub.worker(reading.worker)?;
-            Some(crate::alarm::TruthObservation {
-                subject: format!("{}/{}", w.reg.instance_id, w.dp_rank()),
-                tenant: w.tenant().to_owned(),
-                model: w.reg.model_name.clone(),
-                block_size: w.reg.block_size,
-                lora: w.reg.lora_name.as_deref().is_some_and(|l| !l.is_empty()),
-                salt: w.reg.cache_salt.as_deref().is_some_and(|l| !l.is_empty()),
-                reading,
-            })
-        })
-        .collect();
-    let labels = hub
-        .workers()
-        .map(|w| (w.id, WorkerLabels::new(&w.reg.instance_id, w.dp_rank())))
-        .collect::<std::collections::HashMap<_, _>>();
-    drop(hub);
-    let m = &state.metrics;
-    m.truth_predicted_tokens.clear();
-    m.truth_engine_tokens.clear();
-    m.truth_ratio.clear();
-    m.truth_model_ratio.clear();
-    let mut scopes: std::collections::BTreeMap<(&str, &str), (u64, u64)> = Default::default();
-    for o in &truth {
-        let r = &o.reading;
-        let Some(l) = labels.get(&r.worker) else {
-            continue;
-        };
-        m.truth_predicted_tokens
-            .get_or_create(l)
-            .set(r.predicted_tokens.min(i64::MAX as u64) as i64);
-        if let Some(e) = r.engine_tokens {
-            m.truth_engine_tokens
-                .get_or_create(l)
-                .set(e.min(i64::MAX as u64) as i64);
-            let s = scopes.entry((&o.tenant, &o.model)).or_default();
-            s.0 += r.predicted_tokens;
-            s.1 += e;
-        }
-        if let Some(ratio) = r.ratio() {
-            m.truth_ratio.get_or_create(l).set(ratio);
-        }
-    }
-    for ((tenant, model), (p, e)) in scopes {
-        if e > 0 {
-            m.truth_model_ratio
-                .get_or_create(&ModelLabels {
-                    tenant: tenant.to_owned(),
-                    model: model.to_owned(),
-                })
-                .set(p as f64 / e as f64);
-        }
-    }
-    crate::alarm::Extra {
-        truth,
-        truth_config: state.config.truth,
-        expected: Some(crate::alarm::Expected {
-            version: env!("CARGO_PKG_VERSION").to_owned(),
-            contract: kvroute::hash::contract(),
-            stale_after: state.config.alarm_gateway_stale,
-        }),
-    }
 }

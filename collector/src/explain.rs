@@ -164,7 +164,7 @@ pub async fn explain(
         }
     };
     // Before the locks below: the evaluation takes them itself.
-    let alarms = crate::api::evaluate_alarms(&state);
+    let alarms = crate::health::evaluate_alarms(&state);
     let now = Instant::now();
     // Lock order: fleet, then hub.
     let fleet = state.fleet();

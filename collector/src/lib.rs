@@ -41,6 +41,7 @@ pub mod fastjson;
 pub mod feedlog;
 pub mod fleet;
 pub mod fleet_api;
+pub mod health;
 pub mod hub;
 pub mod metrics;
 pub mod msgpack;

@@ -364,9 +364,6 @@ pub fn millis(d: Duration) -> u64 {
 /// Most clusters in `collector.failover_clusters`.
 pub const MAX_FAILOVER_CLUSTERS: usize = 8;
 
-/// Failed feed pulls in a row after which the lease holder moves to the next feed cluster.
-pub const FAILOVER_AFTER: u32 = 2;
-
 /// Body fields giving a request's decode budget, first present wins.
 pub const DECODE_FIELDS: [&str; 2] = ["max_completion_tokens", "max_tokens"];
 
@@ -376,7 +373,7 @@ pub struct Config {
     /// Collector cluster name (Envoy cluster the callouts go to). Required.
     pub cluster: String,
     /// The feed's clusters in failover order: `cluster`, then `collector.failover_clusters`.
-    /// Feed pulls and load reports stay on one until it fails [`FAILOVER_AFTER`] times in a
+    /// Feed pulls and load reports stay on one until it fails twice in a
     /// row, then move to the next (the feed's cursor belongs to one collector).
     pub feed_clusters: Vec<String>,
     /// `:authority` of callouts. Default `kvroute-collector`.

@@ -16,6 +16,10 @@ use crate::http::Http;
 use crate::report::Sent;
 use crate::vm::{MetaCache, Metrics, NoTokenizer, Scratch, Vm, VmRef};
 
+/// Failed feed pulls in a row after which the lease holder moves to the next feed cluster:
+/// one lost pull is a blip, two at the sync period are a collector that is gone.
+const FAILOVER_AFTER: u32 = 2;
+
 pub(crate) struct Root {
     vm: Option<VmRef>,
     /// The feed callout in flight, if any, and when it was sent (ms).
@@ -103,13 +107,13 @@ impl Root {
             .unwrap_or(&cfg.cluster)
     }
 
-    /// One more failed pull; after [`config::FAILOVER_AFTER`] in a row, the next feed cluster
+    /// One more failed pull; after [`FAILOVER_AFTER`] in a row, the next feed cluster
     /// takes over. Its epoch differs unless it shares the event stream, so the next page is
     /// then a snapshot switched in whole, and until it is the index already held serves.
     fn feed_failed(&mut self, vm: &Vm) {
         self.feed_failures += 1;
         let clusters = &vm.config().feed_clusters;
-        if self.feed_failures < config::FAILOVER_AFTER || clusters.len() < 2 {
+        if self.feed_failures < FAILOVER_AFTER || clusters.len() < 2 {
             return;
         }
         let from = self.feed_cluster(vm.config()).to_owned();
@@ -118,7 +122,7 @@ impl Root {
         host::increment_metric(vm.metrics.collector_failovers, 1);
         log::warn!(
             "kvroute: collector cluster `{from}` failed {} feed pulls in a row; now `{}`",
-            config::FAILOVER_AFTER,
+            FAILOVER_AFTER,
             self.feed_cluster(vm.config())
         );
     }

@@ -401,11 +401,16 @@ mod tests {
             .map(|s| decide(&cs, Q, &of(0, 1), &mut SplitMix64(s)).unwrap().best)
             .collect();
         assert!([0, 1, 3, 4].iter().all(|i| alone.contains(i)), "{alone:?}");
-        // Own share busier by one request (a block of cost, above the band): the other
-        // share's free engine wins, from either replica.
-        let busy = [loaded(0, 1, 0), loaded(0, 0, 0)];
+        // Own share busier by three requests (three blocks of cost, above the band): the
+        // other share's free engine wins, from either replica.
+        let busy = [loaded(0, 3, 0), loaded(0, 0, 0)];
         assert_eq!(with_policy(&busy, &of(0, 2)).unwrap().best, 1);
         assert_eq!(with_policy(&busy, &of(1, 2)).unwrap().best, 1);
+        // Busier by one decoding request (within the two-block band): a tie for the time to
+        // first token, split by share, so two replicas deciding at once take different ones.
+        let one = [loaded(0, 1, 0), loaded(0, 0, 0)];
+        assert_eq!(with_policy(&one, &of(0, 2)).unwrap().best, 0);
+        assert_eq!(with_policy(&one, &of(1, 2)).unwrap().best, 1);
         // Within the band (a few drained tokens): affinity keeps it home.
         let near = [loaded(0, 0, 4), loaded(0, 0, 0)];
         assert_eq!(with_policy(&near, &of(0, 2)).unwrap().best, 0);
@@ -598,14 +603,12 @@ mod tests {
                 for c in cs.iter().filter(|c| competes(c)) {
                     prop_assert!(best <= cost(c) + band + 1e-9, "{best} vs {}", cost(c));
                 }
-                // With the default band, never busier by a whole request when the prefill
-                // and the match are the same.
-                if band == REPLICA_TIE_BAND {
-                    for c in cs.iter().filter(|c| competes(c)) {
-                        let w = &cs[d.best];
-                        if c.matched == w.matched && c.load.prefill_tokens == w.load.prefill_tokens {
-                            prop_assert!(w.load.requests <= c.load.requests);
-                        }
+                // With the default weights a request costs one block: when the prefill and
+                // the match are the same, never busier by more requests than the band.
+                for c in cs.iter().filter(|c| competes(c)) {
+                    let w = &cs[d.best];
+                    if c.matched == w.matched && c.load.prefill_tokens == w.load.prefill_tokens {
+                        prop_assert!(f64::from(w.load.requests) <= f64::from(c.load.requests) + band);
                     }
                 }
             }

@@ -57,9 +57,9 @@
 //!   evenly loaded fleet every replica would see the same exact ties, and affinity makes them
 //!   pick different engines. Engines tied on a hit stay a random pick. It is only a
 //!   tie-breaker: the winner's cost is never more than
-//!   the band above the cheapest contender's, so no replica count or share can send a request
-//!   to a busier engine while a free one exists (the band is below one in-flight request's
-//!   weight by default).
+//!   the band above the cheapest contender's (two blocks by default: two in-flight requests
+//!   or 32 queued tokens), so no replica count or share can send a request to an engine
+//!   with more than that much work ahead while another is free.
 //!
 //! The load a contender carries comes from [`fleet_view`] when the caller knows the fleet's
 //! totals: what every gateway reported, minus this gateway's own last report (already in the

@@ -41,13 +41,18 @@ pub struct Policy {
     pub replica: Replica,
 }
 
-/// Default [`Policy::replica_tie_band`]: half a block of cost. Below the default weight of one
-/// in-flight request (a block), so an engine with one more request than another never wins
-/// by affinity; wide enough to catch the exact and float-rounding ties of an idle fleet.
-/// What breaks it: a band of a block or more lets affinity send a cold prompt to an engine
-/// with a request in flight while another is free — with an uneven traffic split between two
-/// gateways (80/20), the busier gateway's share then queues while the other share idles.
-pub const REPLICA_TIE_BAND: f64 = 0.5;
+/// Default [`Policy::replica_tie_band`]: two blocks of cost, the cost of two in-flight
+/// requests or 32 tokens of queued prefill — nothing a prompt's time to first token feels.
+/// Two gateways deciding at the same instant see the same costs; splitting the engines within
+/// this much of the cheapest by share is what keeps them off the same one (at half a block,
+/// engines apart by one decoding request were no tie, and two gateways over 16 engines queued
+/// short prompts behind each other's long ones: scale scenario TTFT p50 240–350 ms against
+/// 90–100 ms at two blocks, the uneven 80/20 split 580–650 against 450–530 ms).
+/// What breaks it: engines whose few running requests do slow a prefill (a batch of 2–4
+/// sequences): there two more requests are a real queue, and a band below one request's
+/// weight (`< 1.0`) is right. Past a few blocks it stops being a tie-break and lets a gateway
+/// taking most of the traffic queue work on its share while the other share idles.
+pub const REPLICA_TIE_BAND: f64 = 2.0;
 
 impl Default for Policy {
     fn default() -> Self {
