@@ -390,13 +390,16 @@ fn each_gateway_replica_prefers_its_share_of_the_engines() {
     assert_eq!(spread(off, "0/2"), [A, B], "affinity off");
     let no_fleet = json!({"load": {"fleet": false}});
     assert_eq!(spread(no_fleet, "0/2"), [A, B], "without fleet load: alone");
-    // Affinity is only a tie-break: one request in flight on A through another gateway
-    // (no prefill queued) sends replica 0's cold requests to the free B.
-    let (mut gw, feed) = setup(json!({}));
-    feed.set_fleet(vec![fleet(0, 1, 0, None)]);
-    feed.set_replica("0/2");
-    sync(&mut gw);
-    assert_eq!(hold(&mut gw, 5000).1, B);
+    // Affinity is only a tie-break: three requests in flight on A through another gateway
+    // (no prefill queued; three blocks of cost, past the two-block band) send replica 0's
+    // cold requests to the free B; one decoding request is within the band and stays home.
+    for (in_flight, to) in [(3, B), (1, A)] {
+        let (mut gw, feed) = setup(json!({}));
+        feed.set_fleet(vec![fleet(0, in_flight, 0, None)]);
+        feed.set_replica("0/2");
+        sync(&mut gw);
+        assert_eq!(hold(&mut gw, 5000).1, to, "{in_flight} in flight on A");
+    }
     // The configuration of the old additive spread still loads, and changes nothing.
     assert_eq!(
         spread(json!({"route": {"replica_spread_tokens": 8192}}), "1/2"),
