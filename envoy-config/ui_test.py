@@ -97,12 +97,12 @@ class UiStack(K.Stack):
         self.dp_engine.zmq_port = free_port_pair()
         self.dp_engine.replay_port = free_port_pair()
 
-    def collector_argv(self) -> list[str]:
+    def collector_argv(self, port: int | None = None) -> list[str]:
         e = self.dp_engine
         rank1 = (f"instance_id={e.name},endpoint=tcp://127.0.0.1:{e.zmq_port + 1},"
                  f"model={self.cfg.model},block_size={self.cfg.block_size},address={e.address},"
                  f"replay=tcp://127.0.0.1:{e.replay_port + 1},dp_rank=1")
-        return super().collector_argv() + ["--worker", rank1, "--read-token", READ_TOKEN]
+        return super().collector_argv(port) + ["--worker", rank1, "--read-token", READ_TOKEN]
 
     def engine_argv(self, e: K.Engine) -> list[str]:
         argv = super().engine_argv(e)
