@@ -121,6 +121,14 @@ bench-collector:
 bench-ingest-stall:
 	JOBS=$(JOBS) bash bench/scripts/bench-ingest-stall.sh
 
+## make bench-alarm-soak: a correct fleet (4 engines, Envoy, traffic, the alarm test's short
+## windows) for 20 minutes; fails on the first alarm raised (a false positive).
+bench-alarm-soak: wasm
+	$(CARGO) build -j$(JOBS) -p kvroute-collector -p kvroute-sim
+	bash envoy-config/install-envoy.sh >/dev/null
+	KVROUTE_PROFILE=debug KVROUTE_ALARM_SOAK_S=1200 KVROUTE_E2E_ONLY=healthy python3 envoy-config/e2e_alarm_test.py
+.PHONY: bench-alarm-soak
+
 ## make bench-soak: the collector binary, 64 simulated engines and hostile peers for
 ## SOAK_MINUTES (30) minutes; RSS, refusals and liveness in bench-out/soak/.
 SOAK_MINUTES ?= 30

@@ -574,9 +574,10 @@ class LoadE2E(E2E):
         K.wait_until(lambda: (w := self.worker(e)).get("routable") and w.get("connected"),
                      30, f"{e.name} routable again")
         time.sleep(0.5)
-        # The other two busy, so the one back is the cheapest outright: on ties the replica
-        # affinity would keep cold requests on this gateway's share, which it may not be in.
-        streams = self.pin(self.s.engines[0], 2) + self.pin(self.s.engines[1], 2)
+        # The other two busy past the replica tie band (three requests each, two blocks of
+        # band), so the one back is the cheapest outright: within the band the affinity would
+        # keep cold requests on this gateway's share, which it may not be in.
+        streams = self.pin(self.s.engines[0], 3) + self.pin(self.s.engines[1], 3)
         try:
             seen = {self.cold()[0] for _ in range(12)}
         finally:
