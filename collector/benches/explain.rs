@@ -4,19 +4,16 @@
 //! (`app(state).oneshot`), no sockets; p50 / p99 / max over 2,000 requests after criterion's
 //! mean (the target: p99 ≤ 2 ms).
 
-use std::hint::black_box;
-use std::time::{Duration, Instant};
+mod common;
 
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
+use std::hint::black_box;
+
 use criterion::{criterion_group, Criterion};
-use http_body_util::BodyExt;
 use kvroute::api::RegisterRequest;
 use kvroute_collector::decode::decode;
-use kvroute_collector::{app, AppState, Config, Shared};
+use kvroute_collector::{AppState, Config, Shared};
 use kvroute_sim::wire::{encode_events, stored, EventFormat, Extras};
 use serde_json::json;
-use tower::ServiceExt;
 
 const MODEL: &str = "m";
 const ENGINES: usize = 16;
@@ -29,11 +26,7 @@ struct Setup {
 }
 
 fn setup() -> Setup {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime();
     let ids: Vec<u32> = (1..=TOKENS).collect();
     let state = Shared::new(Config::default());
     // Registering starts each worker's subscriber task: inside the runtime.
@@ -74,27 +67,18 @@ fn setup() -> Setup {
 }
 
 async fn explain(state: &AppState, body: &str) -> usize {
-    let req = Request::post("/v1/explain")
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_owned()))
-        .unwrap();
-    let res = app(state.clone()).oneshot(req).await.unwrap();
-    assert_eq!(res.status(), StatusCode::OK);
-    res.into_body().collect().await.unwrap().to_bytes().len()
+    common::post(state, "/v1/explain", body).await.len()
 }
 
 fn explain_benches(c: &mut Criterion) {
     let s = setup();
     // The engine holding the whole prompt wins, and every engine is laid out.
-    let answer: serde_json::Value = s.rt.block_on(async {
-        let req = Request::post("/v1/explain")
-            .header("content-type", "application/json")
-            .body(Body::from(s.body.clone()))
-            .unwrap();
-        let res = app(s.state.clone()).oneshot(req).await.unwrap();
-        let bytes = res.into_body().collect().await.unwrap().to_bytes();
-        serde_json::from_slice(&bytes).unwrap()
-    });
+    let answer: serde_json::Value = serde_json::from_slice(&s.rt.block_on(common::post(
+        &s.state,
+        "/v1/explain",
+        &s.body,
+    )))
+    .unwrap();
     assert_eq!(answer["winner"]["instance_id"], "engine-15", "{answer}");
     assert_eq!(answer["instances"].as_array().map(Vec::len), Some(ENGINES));
     let mut g = c.benchmark_group("explain");
@@ -103,19 +87,12 @@ fn explain_benches(c: &mut Criterion) {
         b.iter(|| black_box(s.rt.block_on(explain(&s.state, &s.body))))
     });
     g.finish();
-    let mut took: Vec<Duration> = (0..2000)
-        .map(|_| {
-            let t = Instant::now();
+    common::percentiles(
+        &format!("explain 8192 tokens, {ENGINES} engines"),
+        &[(); 2000],
+        |_| {
             s.rt.block_on(explain(&s.state, &s.body));
-            t.elapsed()
-        })
-        .collect();
-    took.sort();
-    println!(
-        "explain 8192 tokens, {ENGINES} engines: p50 {:>8.1?}  p99 {:>8.1?}  max {:>8.1?}",
-        took[took.len() / 2],
-        took[took.len() * 99 / 100],
-        took[took.len() - 1]
+        },
     );
 }
 

@@ -10,21 +10,19 @@
 //! sends never-seen 8k prompts (cold) and the next turn of a 16-turn conversation (15 turns
 //! seen, one new).
 
+mod common;
+
 use std::hint::black_box;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
 use criterion::{criterion_group, Criterion};
-use http_body_util::BodyExt;
 use kvroute::api::RegisterRequest;
 use kvroute_collector::config::TokenizerSpec;
 use kvroute_collector::decode::decode;
-use kvroute_collector::{app, AppState, Config, Shared};
+use kvroute_collector::{AppState, Config, Shared};
 use kvroute_sim::wire::{encode_events, stored, EventFormat, Extras};
 use serde_json::json;
-use tower::ServiceExt;
 
 const MODEL: &str = "qwen3";
 
@@ -40,11 +38,7 @@ struct Setup {
 }
 
 fn setup() -> Setup {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime();
     let text = kvroute_text::synth::trace_text(&(1000..1016).collect::<Vec<u64>>());
     let tokenizer = kvroute_text::Tokenizer::from_dir(qwen3_dir()).unwrap();
     let ids = tokenizer.encode(&text).unwrap();
@@ -97,13 +91,7 @@ fn setup() -> Setup {
 }
 
 async fn query(state: &AppState, body: &str) -> usize {
-    let req = Request::post("/query")
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_owned()))
-        .unwrap();
-    let res = app(state.clone()).oneshot(req).await.unwrap();
-    assert_eq!(res.status(), StatusCode::OK);
-    res.into_body().collect().await.unwrap().to_bytes().len()
+    common::post(state, "/query", body).await.len()
 }
 
 fn bodies(s: &Setup) -> [(&'static str, String); 3] {
@@ -182,21 +170,9 @@ fn percentiles(s: &Setup) {
     shapes.push(("prompt_cold".into(), varied("prompt_cold", 300)));
     shapes.push(("chat_next_turn".into(), varied("chat_next_turn", 300)));
     for (name, bodies) in shapes {
-        let mut took: Vec<Duration> = bodies
-            .iter()
-            .map(|body| {
-                let t = Instant::now();
-                s.rt.block_on(query(&s.state, body));
-                t.elapsed()
-            })
-            .collect();
-        took.sort();
-        println!(
-            "query {name:<18} ~8192 tokens: p50 {:>8.1?}  p99 {:>8.1?}  max {:>8.1?}",
-            took[took.len() / 2],
-            took[took.len() * 99 / 100],
-            took[took.len() - 1]
-        );
+        common::percentiles(&format!("query {name:<18} ~8192 tokens"), &bodies, |body| {
+            s.rt.block_on(query(&s.state, body));
+        });
     }
 }
 
