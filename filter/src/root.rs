@@ -220,8 +220,8 @@ impl Root {
                 return;
             }
         }
-        let cluster = self.feed_cluster(cfg).to_owned();
-        self.report = crate::report::send(vm, &cluster, now).map(|(t, r)| (t, now, r));
+        self.report =
+            crate::report::send(vm, self.feed_cluster(cfg), now).map(|(t, r)| (t, now, r));
     }
 
     fn report_lag(&self, vm: &Vm) {
