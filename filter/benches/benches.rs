@@ -40,10 +40,20 @@ fn keys_of(tokens: &[u32]) -> Vec<BlockKey> {
     seqs.into_iter().map(|s| scope.key(s)).collect()
 }
 
-/// A shared-data image of an index of `total` blocks in which worker `w` holds the first
-/// `(w % distinct + 1) / distinct` of the 32k-token prompt's blocks (so `distinct` distinct
-/// match lengths), and random chains fill the rest.
+/// A shared-data image of an index of `total` blocks over [`WORKERS`] instances in which
+/// worker `w` holds the first `(w % distinct + 1) / distinct` of the 32k-token prompt's blocks
+/// (so `distinct` distinct match lengths), and random chains fill the rest.
 fn index_image(total: usize, prompt: &[u32], distinct: usize) -> Vec<(String, Vec<u8>)> {
+    fleet_image(total, prompt, distinct, WORKERS)
+}
+
+/// [`index_image`] over `workers` single-rank instances.
+fn fleet_image(
+    total: usize,
+    prompt: &[u32],
+    distinct: usize,
+    workers: u32,
+) -> Vec<(String, Vec<u8>)> {
     let store = MemStore::new();
     let keys = Keys::new("kvroute");
     let limits = Limits {
@@ -57,7 +67,7 @@ fn index_image(total: usize, prompt: &[u32], distinct: usize) -> Vec<(String, Ve
         model: "m".into(),
         block_size: BS as u32,
     }];
-    for w in 0..WORKERS {
+    for w in 0..workers {
         ops.push(Op::Worker {
             id: WorkerId(w),
             live: true,
@@ -70,7 +80,7 @@ fn index_image(total: usize, prompt: &[u32], distinct: usize) -> Vec<(String, Ve
     }
     let pk = keys_of(prompt);
     let mut placed = 0usize;
-    for w in 0..WORKERS {
+    for w in 0..workers {
         let n = pk.len() * (w as usize % distinct + 1) / distinct;
         ops.push(Op::Blocks {
             worker: WorkerId(w),
@@ -81,8 +91,8 @@ fn index_image(total: usize, prompt: &[u32], distinct: usize) -> Vec<(String, Ve
         placed += n;
     }
     let mut x = 0x1234_5678_9abc_def0u64;
-    let per = total.saturating_sub(placed) / WORKERS as usize;
-    for w in 0..WORKERS {
+    let per = total.saturating_sub(placed) / workers as usize;
+    for w in 0..workers {
         let ks: Vec<BlockKey> = (0..per)
             .map(|_| {
                 x ^= x << 13;
@@ -306,11 +316,17 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(300);
-    // `KVROUTE_BENCH_ONLY=bookkeeping`: the bookkeeping lines alone.
-    let only_bookkeeping = std::env::var("KVROUTE_BENCH_ONLY").is_ok_and(|v| v == "bookkeeping");
+    // `KVROUTE_BENCH_ONLY=bookkeeping`: the bookkeeping lines alone; `=fleet`: the fleet-size
+    // table alone.
+    let only = std::env::var("KVROUTE_BENCH_ONLY").unwrap_or_default();
+    let only_bookkeeping = only == "bookkeeping";
     let prompt: Vec<u32> = (0..32_768u32)
         .map(|i| i.wrapping_mul(2_654_435_761) % 100_000)
         .collect();
+    if only == "fleet" {
+        fleet_lines(&prompt, n);
+        return;
+    }
     for distinct in [2usize, 16] {
         println!(
             "\n1M-block index, 16 instances, {distinct} distinct match lengths of the prompt:"
@@ -469,5 +485,46 @@ fn main() {
         let reads = gw.histogram("kvroute.lookup_reads").unwrap_or_default();
         let mean = reads.iter().sum::<u64>() as f64 / reads.len().max(1) as f64;
         println!("| {total} | {mean:.1} |");
+    }
+    fleet_lines(&prompt, n);
+}
+
+/// The decision's cost against the fleet's size (issue 20: at 16 engines at most 1.5× that at
+/// 4): an 8k-token prompt with 4 distinct match lengths over the fleet, and a cold one-block
+/// prompt that every instance ties on, in a 1M-block index of 4, 16 and 64 instances.
+/// `lookup+decision` is the routed request less the same header read for a model the index
+/// lacks (intake alone). Fuel is exact; wall time is the best batch on a shared machine.
+fn fleet_lines(prompt: &[u32], n: u64) {
+    println!("\n| instances | lookup+decision, 8k tokens (us) | fuel | cold 1-block request (us) | fuel |");
+    println!("|---|---|---|---|---|");
+    let b64 = encode_base64_u32(&prompt[..8192]);
+    let mut base: Option<(u64, u64)> = None;
+    for workers in [4u32, 16, 64] {
+        let image = fleet_image(1_000_000, prompt, 4, workers);
+        let mut gw = gateway(&image);
+        let intake = measure(&mut gw, n, |r| {
+            r.header("x-token-ids", &b64).header("x-model", "absent")
+        });
+        let route = measure(&mut gw, n, |r| {
+            r.header("x-token-ids", &b64).header("x-model", "m")
+        });
+        let cold = measure(&mut gw, n, |r| cold_request(r, "m"));
+        let mut gw = gateway_with(&image, true, "");
+        let f_intake = fuel(&mut gw, |r| {
+            r.header("x-token-ids", &b64).header("x-model", "absent")
+        });
+        let f_route = fuel(&mut gw, |r| {
+            r.header("x-token-ids", &b64).header("x-model", "m")
+        });
+        let f_cold = fuel(&mut gw, |r| cold_request(r, "m"));
+        let f_decide = f_route.saturating_sub(f_intake);
+        let (b_decide, b_cold) = *base.get_or_insert((f_decide, f_cold));
+        println!(
+            "| {workers} | {:.1} | {f_decide} ({:.2}× 4) | {:.1} | {f_cold} ({:.2}× 4) |",
+            us(route.saturating_sub(intake)),
+            f_decide as f64 / b_decide.max(1) as f64,
+            us(cold),
+            f_cold as f64 / b_cold.max(1) as f64,
+        );
     }
 }
