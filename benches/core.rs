@@ -43,6 +43,7 @@ fn store_events(chains: usize, salt: u32) -> Vec<KvEvent> {
                     .map(|(i, b)| StoredBlock {
                         hash: EngineHash(((c as u64) << 8) | i as u64),
                         tokens: b.to_vec(),
+                        block_hash: None,
                     })
                     .collect(),
                 tier: Tier::Gpu,
@@ -98,6 +99,7 @@ fn lookup(c: &mut Criterion) {
                 .map(|(i, b)| StoredBlock {
                     hash: EngineHash(i as u64),
                     tokens: b.to_vec(),
+                    block_hash: None,
                 })
                 .collect();
             let event = KvEvent::BlockStored {

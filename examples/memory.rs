@@ -48,6 +48,7 @@ fn build(workers: u32, chains: u32, shared: bool) -> (Index, usize) {
                     tokens: (0..BLOCK as u32)
                         .map(|t| t ^ (salt << 9) ^ (i << 4))
                         .collect(),
+                    block_hash: None,
                 })
                 .collect();
             let event = KvEvent::BlockStored {

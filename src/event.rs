@@ -2,6 +2,8 @@
 //! decodes into, and what the index applies. Event names follow the engines':
 //! `BlockStored`, `BlockRemoved`, `AllBlocksCleared`.
 
+use crate::hash::BlockHash;
+
 /// A block hash as the engine reports it (vLLM: the low 64 bits of a sha256 digest; SGLang: its
 /// own chain). Opaque: it is used only to find a block's parent and to remove it, never to match
 /// prefixes. Byte-string hashes are folded to 64 bits by the decoder.
@@ -64,13 +66,27 @@ impl Tier {
 }
 
 /// One stored block: the engine's hash and its tokens (exactly one block's worth once the
-/// collector has re-chunked engine pages to the registered block size).
+/// collector has re-chunked engine pages to the registered block size), or instead of the
+/// tokens their contract hash when the source sends only that.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoredBlock {
     /// The engine's hash of the block.
     pub hash: EngineHash,
-    /// The block's tokens.
+    /// The block's tokens; empty when `block_hash` is given.
     pub tokens: Vec<u32>,
+    /// The contract hash of the block's tokens ([`crate::hash::block_hash`]), when the source
+    /// sends it instead of the tokens: NVIDIA Dynamo's `RouterEvent` carries a block's
+    /// `tokens_hash` (xxh3-64 of its tokens, seed 1337: the same contract), never its tokens.
+    /// The index then keys the block on it as it would on the hash of `tokens`.
+    pub block_hash: Option<BlockHash>,
+}
+
+impl StoredBlock {
+    /// Whether this is one whole block of `block_size` tokens: its tokens are exactly that
+    /// many, or the source gave the hash of a whole block.
+    pub fn is_whole(&self, block_size: usize) -> bool {
+        self.block_hash.is_some() || self.tokens.len() == block_size
+    }
 }
 
 /// A normalized KV event of one worker.

@@ -468,7 +468,7 @@ impl Index {
             parent_seq = Some(self.seq_of(parent_node));
         }
         for (i, block) in blocks.iter().enumerate() {
-            if block.tokens.len() != block_size {
+            if !block.is_whole(block_size) {
                 stats.bad_blocks += (blocks.len() - i) as u64;
                 break;
             }
@@ -494,7 +494,10 @@ impl Index {
                 stats.capped += (blocks.len() - i) as u64;
                 break;
             }
-            let seq = hash::chain(parent_seq, hash::block_hash(&block.tokens, seed));
+            let b = block
+                .block_hash
+                .unwrap_or_else(|| hash::block_hash(&block.tokens, seed));
+            let seq = hash::chain(parent_seq, b);
             let node = self.insert(
                 worker,
                 block.hash,
@@ -968,6 +971,7 @@ mod tests {
                 .map(|i| StoredBlock {
                     hash: EngineHash(first + i),
                     tokens: vec![(first + i) as u32; 4],
+                    block_hash: None,
                 })
                 .collect(),
             tier: Tier::Gpu,
@@ -1005,5 +1009,50 @@ mod tests {
         // Nothing to reserve for a worker the index does not know.
         index.reserve(WorkerId(7), 1 << 20);
         assert_eq!(capacities(&index, b), reserved);
+    }
+
+    #[test]
+    fn blocks_given_by_their_hash_key_as_their_tokens_would() {
+        let mut index = Index::new(IndexConfig::default());
+        let (a, b) = (WorkerId(0), WorkerId(1));
+        index.add_worker(a, "t", "m", 4);
+        index.add_worker(b, "t", "m", 4);
+        let mut changes = Vec::new();
+        index.apply(a, &chain(1, 3), &mut changes);
+        // The same three blocks as Dynamo reports them: other engine hashes, no tokens, the
+        // contract hash of each block's tokens.
+        let hashed = KvEvent::BlockStored {
+            parent: None,
+            blocks: (1..4u64)
+                .map(|i| StoredBlock {
+                    hash: EngineHash(100 + i),
+                    tokens: Vec::new(),
+                    block_hash: Some(hash::block_hash(&[i as u32; 4], hash::BASE_SEED)),
+                })
+                .collect(),
+            tier: Tier::Gpu,
+            lora_name: None,
+            cache_salt: None,
+        };
+        let stats = index.apply(b, &hashed, &mut changes);
+        assert_eq!((stats.stored, stats.bad_blocks), (3, 0));
+        let mut keys = [Vec::new(), Vec::new()];
+        index.for_each_hold(|w, _, k| keys[w.0 as usize].push(k.0));
+        keys.iter_mut().for_each(|k| k.sort_unstable());
+        assert_eq!(keys[0].len(), 3);
+        assert_eq!(keys[0], keys[1]);
+        // Without tokens and without a hash, a block is no whole block.
+        let empty = KvEvent::BlockStored {
+            parent: None,
+            blocks: vec![StoredBlock {
+                hash: EngineHash(9),
+                tokens: Vec::new(),
+                block_hash: None,
+            }],
+            tier: Tier::Gpu,
+            lora_name: None,
+            cache_salt: None,
+        };
+        assert_eq!(index.apply(b, &empty, &mut changes).bad_blocks, 1);
     }
 }

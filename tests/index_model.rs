@@ -248,7 +248,7 @@ proptest! {
                 Step::Store { w, parent, hashes, tier, salt } => {
                     let event = KvEvent::BlockStored {
                         parent: parent.map(EngineHash),
-                        blocks: hashes.iter().map(|&h| StoredBlock { hash: EngineHash(h), tokens: tokens_of(h) }).collect(),
+                        blocks: hashes.iter().map(|&h| StoredBlock { hash: EngineHash(h), tokens: tokens_of(h), block_hash: None }).collect(),
                         tier: Tier::from_u8(tier).unwrap(),
                         lora_name: None,
                         cache_salt: salt.then(|| "s".to_owned()),
@@ -311,6 +311,7 @@ fn tenants_with_the_same_tokens_stay_apart() {
         blocks: vec![StoredBlock {
             hash: EngineHash(1),
             tokens: vec![1, 2, 3, 4],
+            block_hash: None,
         }],
         tier: Tier::Gpu,
         lora_name: None,
@@ -335,6 +336,7 @@ fn orphans_and_bad_blocks_are_counted_not_guessed() {
         blocks: vec![StoredBlock {
             hash: EngineHash(1),
             tokens: vec![1, 2, 3, 4],
+            block_hash: None,
         }],
         tier: Tier::Gpu,
         lora_name: None,
@@ -346,6 +348,7 @@ fn orphans_and_bad_blocks_are_counted_not_guessed() {
         blocks: vec![StoredBlock {
             hash: EngineHash(1),
             tokens: vec![1, 2, 3],
+            block_hash: None,
         }],
         tier: Tier::Gpu,
         lora_name: None,

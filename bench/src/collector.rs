@@ -257,6 +257,7 @@ fn chain_event(chain: usize, blocks: usize) -> KvEvent {
             .map(|(i, t)| StoredBlock {
                 hash: engine_hash(chain as u64, i as u64),
                 tokens: t.to_vec(),
+                block_hash: None,
             })
             .collect(),
         tier: Tier::Gpu,
@@ -437,6 +438,7 @@ fn query_index_batches() -> (Vec<u32>, Vec<Vec<Vec<u8>>>) {
                 .map(|(i, t)| StoredBlock {
                     hash: engine_hash(1 << 40, i as u64),
                     tokens: t.to_vec(),
+                    block_hash: None,
                 })
                 .collect(),
             tier: Tier::Gpu,

@@ -94,6 +94,7 @@ fn store(n: usize, first_hash: u64, token_seed: u32) -> KvEvent {
             .map(|i| StoredBlock {
                 hash: EngineHash(first_hash + i as u64),
                 tokens: vec![token_seed.wrapping_add(i as u32); BS as usize],
+                block_hash: None,
             })
             .collect(),
         tier: Tier::Gpu,
@@ -127,6 +128,7 @@ fn setup(blocks: usize, slice: usize) -> anyhow::Result<(AppState, WorkerId, Vec
         .map(|(i, c)| StoredBlock {
             hash: EngineHash(10 + i as u64),
             tokens: c.to_vec(),
+            block_hash: None,
         })
         .collect();
     state.apply_batch_blocking(

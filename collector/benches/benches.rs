@@ -34,6 +34,7 @@ fn chain(id: u64, tokens: &[u32]) -> KvEvent {
             .map(|(i, t)| StoredBlock {
                 hash: EngineHash(id << 20 | i as u64),
                 tokens: t.to_vec(),
+                block_hash: None,
             })
             .collect(),
         tier: Tier::Gpu,

@@ -73,7 +73,7 @@ impl Chunker {
     pub fn wants(&self, block_size: u32, event: &KvEvent) -> bool {
         match event {
             KvEvent::BlockStored { parent, blocks, .. } => {
-                blocks.iter().any(|b| b.tokens.len() != block_size as usize)
+                blocks.iter().any(|b| !b.is_whole(block_size as usize))
                     || parent.is_some_and(|p| self.pages.contains_key(&p))
             }
             KvEvent::BlockRemoved { hashes, .. } => {
@@ -163,6 +163,7 @@ impl Chunker {
                     out.push(StoredBlock {
                         hash,
                         tokens: std::mem::take(&mut tail),
+                        block_hash: None,
                     });
                     last = Some(hash);
                     if !rest.is_empty() {
@@ -214,6 +215,7 @@ mod tests {
                 .map(|(h, t)| StoredBlock {
                     hash: EngineHash(*h),
                     tokens: t.to_vec(),
+                    block_hash: None,
                 })
                 .collect(),
             tier: Tier::Gpu,

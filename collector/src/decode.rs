@@ -298,6 +298,7 @@ fn split_blocks(
         blocks.push(StoredBlock {
             hash,
             tokens: rest[..take].to_vec(),
+            block_hash: None,
         });
         rest = &rest[take..];
     }
@@ -480,11 +481,13 @@ mod tests {
                 blocks: vec![
                     StoredBlock {
                         hash: EngineHash(13366815110101616827),
-                        tokens: vec![1, 2, 3, 4]
+                        tokens: vec![1, 2, 3, 4],
+                        block_hash: None
                     },
                     StoredBlock {
                         hash: EngineHash(7),
-                        tokens: vec![5, 6, 7, 8]
+                        tokens: vec![5, 6, 7, 8],
+                        block_hash: None
                     },
                 ],
                 tier: Tier::Gpu,

@@ -281,6 +281,7 @@ fn huge_batch(n: usize, first_hash: u64) -> Batch {
         .map(|i| StoredBlock {
             hash: EngineHash(first_hash + i as u64),
             tokens: vec![i as u32; 4],
+            block_hash: None,
         })
         .collect();
     Batch {

@@ -230,6 +230,7 @@ fn expected(ev: &Py) -> KvEvent {
                 .map(|(i, h)| StoredBlock {
                     hash: hash_of(h),
                     tokens: tokens[i * bs..((i + 1) * bs).min(tokens.len())].to_vec(),
+                    block_hash: None,
                 })
                 .collect();
             let parent = match get("parent_block_hash") {

@@ -201,6 +201,7 @@ pub fn stored(parent: Option<u64>, first_hash: u64, tokens: &[u32], block_size: 
             .map(|(t, h)| StoredBlock {
                 hash: EngineHash(h),
                 tokens: t.to_vec(),
+                block_hash: None,
             })
             .collect(),
         tier: Tier::Gpu,

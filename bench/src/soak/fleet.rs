@@ -88,6 +88,7 @@ pub(super) fn blocks_of(tokens: &[u32]) -> Vec<StoredBlock> {
             StoredBlock {
                 hash: EngineHash(parent),
                 tokens: c.to_vec(),
+                block_hash: None,
             }
         })
         .collect()

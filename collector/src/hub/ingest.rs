@@ -369,7 +369,7 @@ impl Hub {
         let wants = match self.chunkers.get(&worker) {
             Some(c) => c.wants(block_size, &event),
             None => matches!(&event, KvEvent::BlockStored { blocks, .. }
-                if blocks.iter().any(|b| b.tokens.len() != block_size as usize)),
+                if blocks.iter().any(|b| !b.is_whole(block_size as usize))),
         };
         if wants {
             let is_store = matches!(event, KvEvent::BlockStored { .. });
@@ -436,6 +436,7 @@ mod tests {
                 .map(|i| StoredBlock {
                     hash: EngineHash(100 + i),
                     tokens: vec![1; 4],
+                    block_hash: None,
                 })
                 .collect(),
             tier: Tier::Cpu,

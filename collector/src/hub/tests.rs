@@ -126,6 +126,7 @@ fn chain(first: u64, n: usize, lora: Option<&str>) -> kvroute::event::KvEvent {
             .map(|i| kvroute::event::StoredBlock {
                 hash: kvroute::event::EngineHash(first + i as u64),
                 tokens: vec![(first + i as u64) as u32; 4],
+                block_hash: None,
             })
             .collect(),
         tier: kvroute::event::Tier::Gpu,

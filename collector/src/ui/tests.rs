@@ -157,6 +157,7 @@ async fn overview_tells_tiers_last_events_feed_and_gateways() {
             .map(|i| StoredBlock {
                 hash: EngineHash(10 + i),
                 tokens: vec![100 + i as u32; 4],
+                block_hash: None,
             })
             .collect(),
         tier: Tier::Cpu,
