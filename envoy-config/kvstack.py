@@ -362,6 +362,26 @@ class Engine:
 STANDBY_CLUSTER = "kvroute_collector_standby"
 
 
+def collector_cluster(name: str, port: int, host: str = "127.0.0.1") -> dict:
+    """An Envoy cluster of one collector, as the standby's (for `collector.failover_clusters`)."""
+    return {"name": name, "type": "STATIC", "connect_timeout": "0.25s",
+            "load_assignment": {"cluster_name": name, "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
+                    "address": host, "port_value": port}}}}]}]}}
+
+
+def failover_values(clusters: list[tuple[str, int]]) -> dict[str, str]:
+    """The envoy.yaml values naming `clusters` ((name, port), in order) as the filter's
+    `collector.failover_clusters`, each an extra cluster: `StackConfig.standby_collector`
+    generalised to any number of replicas (COLLECTOR_PORT stays the first one's)."""
+    if not clusters:
+        return {}
+    names = json.dumps([n for n, _ in clusters])
+    return {"COLLECTOR_EXTRA": f', "failover_clusters": {names}',
+            "EXTRA_CLUSTERS": "\n".join("  - " + json.dumps(collector_cluster(n, p))
+                                        for n, p in clusters)}
+
+
 @dataclass
 class StackConfig:
     engines: int = 3
