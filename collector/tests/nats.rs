@@ -158,6 +158,7 @@ fn bus(url: &str, role: Role, durable: &str) -> BusConfig {
         max_bytes: 64 << 20,
         max_message_bytes: 1 << 20,
         outbox_batches: 65_536,
+        dynamo: None,
     }
 }
 

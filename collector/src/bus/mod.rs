@@ -19,12 +19,16 @@
 //! batches, so when a batch is on the event stream its worker's registration is already in
 //! the registry; every process watches the registry.
 //!
+//! The Dynamo reader ([`dynamo`], `--dynamo-namespace`) rides on the same connection: it reads
+//! the KV events an NVIDIA Dynamo fleet publishes on NATS Core into this collector's index.
+//!
 //! Wire format of one stream message: [`wire`]. NATS down (at start or mid-run): the
 //! collector keeps serving what it has, `/health` says `degraded` with the reason, the outbox
 //! holds up to `--nats-outbox-batches` batches, and the index role catches up from its
 //! durable consumer once the server is back.
 
 pub mod consume;
+pub mod dynamo;
 pub mod handle;
 pub mod load;
 pub mod publish;
@@ -35,5 +39,5 @@ pub mod wire;
 
 pub(crate) use handle::count;
 pub use handle::{subject, token, worker_key, Bus, Outgoing, Route};
-pub use settings::{BusConfig, BusConfigError, NatsArgs, NatsFile, Role};
+pub use settings::{BusConfig, BusConfigError, DynamoConfig, DynamoFile, NatsArgs, NatsFile, Role};
 pub use wire::Kind;

@@ -59,6 +59,33 @@ pub struct NatsArgs {
     /// Batches the ingest side holds while NATS is slow or down; past it they are dropped and counted [default: 65536].
     #[arg(long, value_name = "N")]
     pub nats_outbox_batches: Option<usize>,
+    /// Read the KV events an NVIDIA Dynamo deployment publishes on this NATS server (event plane on NATS Core): the Dynamo namespace [default: off; needs --nats, --dynamo-model, --dynamo-block-size and --dynamo-address].
+    #[arg(long, value_name = "NS")]
+    pub dynamo_namespace: Option<String>,
+    /// Dynamo component whose workers publish the events (e.g. backend) [default: every component of the namespace].
+    #[arg(long, value_name = "NAME")]
+    pub dynamo_component: Option<String>,
+    /// The whole NATS subject to subscribe to instead of namespace.NS.component.C.kv-events (another Dynamo version's naming) [default: derived].
+    #[arg(long, value_name = "SUBJECT")]
+    pub dynamo_subject: Option<String>,
+    /// Model the Dynamo workers serve: they are registered under it on their first event.
+    #[arg(long, value_name = "NAME")]
+    pub dynamo_model: Option<String>,
+    /// Tokens per KV block of the Dynamo workers (their --block-size / kv_block_size).
+    #[arg(long, value_name = "TOKENS")]
+    pub dynamo_block_size: Option<u32>,
+    /// Tenant the Dynamo workers are registered under [default: default].
+    #[arg(long, value_name = "NAME")]
+    pub dynamo_tenant: Option<String>,
+    /// Where the gateway sends a request routed to a Dynamo worker (ip:port, e.g. the Dynamo frontend); /query names the workers by their Dynamo worker ids.
+    #[arg(long, value_name = "IP:PORT")]
+    pub dynamo_address: Option<String>,
+    /// Largest Dynamo event message, bytes: larger ones are counted and skipped before decoding [default: 1048576].
+    #[arg(long, value_name = "BYTES")]
+    pub dynamo_max_message_bytes: Option<usize>,
+    /// Most Dynamo workers (worker id, dp rank) registered at once; past it the one heard from least recently is unregistered [default: 1024].
+    #[arg(long, value_name = "N")]
+    pub dynamo_max_workers: Option<usize>,
 }
 
 /// The `[nats]` table of the `--config` file: the same settings.
@@ -75,6 +102,23 @@ pub struct NatsFile {
     pub max_bytes: Option<i64>,
     pub max_message_bytes: Option<usize>,
     pub outbox_batches: Option<usize>,
+    /// `[nats.dynamo]`: the `--dynamo-*` settings without the prefix.
+    pub dynamo: Option<DynamoFile>,
+}
+
+/// The `[nats.dynamo]` table of the `--config` file.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DynamoFile {
+    pub namespace: Option<String>,
+    pub component: Option<String>,
+    pub subject: Option<String>,
+    pub model: Option<String>,
+    pub block_size: Option<u32>,
+    pub tenant: Option<String>,
+    pub address: Option<String>,
+    pub max_message_bytes: Option<usize>,
+    pub max_workers: Option<usize>,
 }
 
 /// The bus settings, validated.
@@ -99,6 +143,27 @@ pub struct BusConfig {
     pub max_message_bytes: usize,
     /// Outbox capacity, batches.
     pub outbox_batches: usize,
+    /// The Dynamo reader (`--dynamo-namespace`), when it is on.
+    pub dynamo: Option<DynamoConfig>,
+}
+
+/// The Dynamo reader's settings, validated ([`super::dynamo`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DynamoConfig {
+    /// NATS subject subscribed to (may hold a `*` wildcard).
+    pub subject: String,
+    /// Model the workers are registered under.
+    pub model: String,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Tenant the workers are registered under (`None`: the default tenant).
+    pub tenant: Option<String>,
+    /// Serving address given to every Dynamo worker, `ip:port`.
+    pub address: std::net::SocketAddr,
+    /// Largest message decoded, bytes.
+    pub max_message_bytes: usize,
+    /// Most Dynamo workers registered at once.
+    pub max_workers: usize,
 }
 
 /// Why the bus settings were refused; names the flag.
@@ -120,12 +185,19 @@ impl NatsArgs {
         listen_port: u16,
     ) -> Result<Option<BusConfig>, BusConfigError> {
         let f = file.unwrap_or_default();
-        let Some(url) = self.nats.or(f.url) else {
-            return Ok(None);
-        };
         let err = |flag, msg: &str| BusConfigError {
             flag,
             msg: msg.to_owned(),
+        };
+        let dynamo = DynamoFile::merge(&self, f.dynamo.clone().unwrap_or_default());
+        let Some(url) = self.nats.or(f.url) else {
+            if dynamo.namespace.is_some() || dynamo.subject.is_some() {
+                return Err(err(
+                    "dynamo-namespace",
+                    "needs --nats URL (the NATS server the Dynamo workers publish on)",
+                ));
+            }
+            return Ok(None);
         };
         let name = |flag: &'static str, v: Option<String>, default: String| {
             let v = v.unwrap_or(default);
@@ -190,6 +262,93 @@ impl NatsArgs {
             max_bytes,
             max_message_bytes,
             outbox_batches,
+            dynamo: dynamo.validate()?,
+        }))
+    }
+}
+
+impl DynamoFile {
+    /// The `--dynamo-*` flags over the `[nats.dynamo]` table.
+    fn merge(a: &NatsArgs, f: DynamoFile) -> DynamoFile {
+        DynamoFile {
+            namespace: a.dynamo_namespace.clone().or(f.namespace),
+            component: a.dynamo_component.clone().or(f.component),
+            subject: a.dynamo_subject.clone().or(f.subject),
+            model: a.dynamo_model.clone().or(f.model),
+            block_size: a.dynamo_block_size.or(f.block_size),
+            tenant: a.dynamo_tenant.clone().or(f.tenant),
+            address: a.dynamo_address.clone().or(f.address),
+            max_message_bytes: a.dynamo_max_message_bytes.or(f.max_message_bytes),
+            max_workers: a.dynamo_max_workers.or(f.max_workers),
+        }
+    }
+
+    /// The reader's settings; `None` when neither a namespace nor a subject is set.
+    fn validate(self) -> Result<Option<DynamoConfig>, BusConfigError> {
+        let err = |flag, msg: String| BusConfigError { flag, msg };
+        let subject = match (self.subject, &self.namespace) {
+            (Some(s), _) => {
+                if s.is_empty()
+                    || s.split('.').any(|t| t.is_empty())
+                    || s.bytes().any(|b| b.is_ascii_whitespace())
+                {
+                    return Err(err(
+                        "dynamo-subject",
+                        "a NATS subject: non-empty tokens split by '.'".into(),
+                    ));
+                }
+                s
+            }
+            (None, Some(ns)) => super::dynamo::naming::subject(ns, self.component.as_deref())
+                .map_err(|m| err("dynamo-namespace", m.into()))?,
+            (None, None) => return Ok(None),
+        };
+        let model = self
+            .model
+            .filter(|m| !m.is_empty())
+            .ok_or_else(|| err("dynamo-model", "required with --dynamo-namespace".into()))?;
+        let block_size = match self.block_size {
+            Some(n) if n >= 1 => n,
+            Some(_) => return Err(err("dynamo-block-size", "must be at least 1".into())),
+            None => {
+                return Err(err(
+                    "dynamo-block-size",
+                    "required with --dynamo-namespace (the workers' kv block size)".into(),
+                ))
+            }
+        };
+        let address = self
+            .address
+            .ok_or_else(|| {
+                err(
+                    "dynamo-address",
+                    "required with --dynamo-namespace: the ip:port a request routed to a Dynamo worker goes to".into(),
+                )
+            })?
+            .parse::<std::net::SocketAddr>()
+            .map_err(|_| err("dynamo-address", "must be an ip:port literal".into()))?;
+        let max_message_bytes = self.max_message_bytes.unwrap_or(1 << 20);
+        if !(1024..=i32::MAX as usize).contains(&max_message_bytes) {
+            return Err(err(
+                "dynamo-max-message-bytes",
+                "must be 1 KiB to 2 GiB".into(),
+            ));
+        }
+        let max_workers = self.max_workers.unwrap_or(1024);
+        if !(1..=crate::hub::MAX_WORKERS).contains(&max_workers) {
+            return Err(err(
+                "dynamo-max-workers",
+                format!("must be 1 to {}", crate::hub::MAX_WORKERS),
+            ));
+        }
+        Ok(Some(DynamoConfig {
+            subject,
+            model,
+            block_size,
+            tenant: self.tenant.filter(|t| !t.is_empty()),
+            address,
+            max_message_bytes,
+            max_workers,
         }))
     }
 }
@@ -242,5 +401,86 @@ mod tests {
             bad.into_config(None, 1).unwrap_err().flag,
             "nats-max-message-bytes"
         );
+    }
+
+    #[test]
+    fn the_dynamo_reader_needs_nats_a_model_a_block_size_and_an_address() {
+        let full = NatsArgs {
+            nats: Some("nats://127.0.0.1:4222".into()),
+            dynamo_namespace: Some("dynamo".into()),
+            dynamo_model: Some("llama".into()),
+            dynamo_block_size: Some(16),
+            dynamo_address: Some("10.0.0.1:8000".into()),
+            ..NatsArgs::default()
+        };
+        let d = full
+            .clone()
+            .into_config(None, 1)
+            .unwrap()
+            .unwrap()
+            .dynamo
+            .unwrap();
+        assert_eq!(d.subject, "namespace.dynamo.component.*.kv-events");
+        assert_eq!((d.block_size, d.max_workers), (16, 1024));
+        assert_eq!(d.address.to_string(), "10.0.0.1:8000");
+        let flag = |a: NatsArgs| a.into_config(None, 1).unwrap_err().flag;
+        assert_eq!(
+            flag(NatsArgs {
+                nats: None,
+                ..full.clone()
+            }),
+            "dynamo-namespace"
+        );
+        assert_eq!(
+            flag(NatsArgs {
+                dynamo_model: None,
+                ..full.clone()
+            }),
+            "dynamo-model"
+        );
+        assert_eq!(
+            flag(NatsArgs {
+                dynamo_block_size: Some(0),
+                ..full.clone()
+            }),
+            "dynamo-block-size"
+        );
+        assert_eq!(
+            flag(NatsArgs {
+                dynamo_address: Some("frontend:8000".into()),
+                ..full.clone()
+            }),
+            "dynamo-address"
+        );
+        assert_eq!(
+            flag(NatsArgs {
+                dynamo_subject: Some("a..b".into()),
+                ..full.clone()
+            }),
+            "dynamo-subject"
+        );
+        // The [nats.dynamo] table, a flag over it, and a subject of another release.
+        let file: crate::config::FileConfig = toml::from_str(
+            "[nats]\nurl = \"nats://127.0.0.1:4222\"\n[nats.dynamo]\nsubject = \"namespace.dynamo.component.backend.kv_events\"\nmodel = \"m\"\nblock_size = 32\naddress = \"127.0.0.1:1\"\n",
+        )
+        .unwrap();
+        let flags = NatsArgs {
+            dynamo_block_size: Some(64),
+            ..NatsArgs::default()
+        };
+        let d = flags
+            .into_config(file.nats, 1)
+            .unwrap()
+            .unwrap()
+            .dynamo
+            .unwrap();
+        assert_eq!(d.subject, "namespace.dynamo.component.backend.kv_events");
+        assert_eq!(d.block_size, 64);
+        // Without a namespace or subject the reader is off.
+        let off = NatsArgs {
+            dynamo_namespace: None,
+            ..full
+        };
+        assert_eq!(off.into_config(None, 1).unwrap().unwrap().dynamo, None);
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::handle::Bus;
-use super::{consume, load, publish, registry};
+use super::{consume, dynamo, load, publish, registry};
 use crate::shared::Shared;
 
 /// The bus tasks of one collector; aborted on drop of [`Tasks::stop`].
@@ -22,8 +22,8 @@ impl Tasks {
 }
 
 /// Starts the bus tasks of `shared` when `--nats` is set: the connection, the publisher
-/// (every role: registrations go through it), the registry watcher, and for the index role
-/// the consumer.
+/// (every role: registrations go through it), the registry watcher, for the index role the
+/// consumer, and with `--dynamo-namespace` the Dynamo reader.
 pub fn spawn(shared: &Arc<Shared>) -> Tasks {
     let Some(bus) = shared.bus.clone() else {
         return Tasks::default();
@@ -45,6 +45,9 @@ pub fn spawn(shared: &Arc<Shared>) -> Tasks {
         set.spawn(load::run(shared.clone(), bus.clone(), client.clone()));
         if !bus.config.role.ingests() {
             set.spawn(consume::run(shared.clone(), bus.clone(), js.clone()));
+        }
+        if bus.config.dynamo.is_some() {
+            set.spawn(dynamo::run(shared.clone(), bus.clone(), client.clone()));
         }
         // The JoinSet aborts its tasks when this task is aborted and drops it.
         while set.join_next().await.is_some() {}

@@ -1,0 +1,554 @@
+//! One Dynamo KV event message off NATS, decoded: the event plane's envelope around one
+//! `RouterEvent`, or a bare `RouterEvent` in JSON as older Dynamo releases published it.
+//!
+//! # Layout
+//!
+//! What a Dynamo worker publishes (read in `ai-dynamo/dynamo`, see [`super`] for the files and
+//! commits), one event per NATS message:
+//!
+//! - **event plane, msgpack** (Dynamo with `DYN_EVENT_PLANE=nats`): a msgpack *map*, the
+//!   `EventEnvelope` written with field names (`rmp_serde::to_vec_named`):
+//!   `{"publisher_id": u64, "sequence": u64, "published_at": u64 (ms), "topic": str,
+//!   "payload": bin}`, and `payload` is the `RouterEvent`, msgpack with field names too;
+//! - **JSON** (Dynamo before the event plane, `component.publish`): the `RouterEvent` itself as
+//!   a JSON object; also the first event plane's JSON `NatsEnvelope`
+//!   `{"publisher_id", "sequence", "published_at", "payload": [bytes as numbers]}` around a
+//!   JSON `RouterEvent`.
+//!
+//! A `RouterEvent` is
+//! `{"worker_id": u64, "storage_tier": "device"|"host_pinned"|"disk"|"external" (absent:
+//! device), "residency_domain"?: "worker"|"cache_owner", "event": KvCacheEvent,
+//! "state_source"?: ..}`; a `KvCacheEvent` is `{"event_id": u64, "data": KvCacheEventData,
+//! "dp_rank": u32 (absent: 0)}`; `data` is serde's external tagging of
+//! `Stored(KvCacheStoreData) | Removed(KvCacheRemoveData) | Cleared`: `{"stored": {...}}`,
+//! `{"removed": {...}}`, and `"cleared"` (a map `{"cleared": nil}` is taken too). A store is
+//! `{"parent_hash": u64|nil, "start_position"?: u32|nil, "blocks": [{"block_hash": u64,
+//! "tokens_hash": u64, "mm_extra_info"?: ..}]}`, a removal `{"block_hashes": [u64]}`.
+//! `block_hash` is the engine's own hash (kvroute's [`EngineHash`]), `tokens_hash` the hash of
+//! the block's tokens under the contract kvroute shares with Dynamo (its `BlockHash`).
+//! Unknown keys are skipped; structs written positionally (msgpack arrays) are not read.
+//!
+//! The caller bounds the message's size before calling [`decode`]; inside it, every msgpack
+//! length is checked against the bytes that remain before anything is reserved
+//! ([`crate::msgpack`]), and JSON allocates at most in proportion to the message.
+
+use kvroute::event::{EngineHash, Tier};
+use kvroute::hash::BlockHash;
+use serde::Deserialize;
+
+use crate::msgpack::{self, Reader};
+
+/// One decoded `RouterEvent`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RouterEvent {
+    /// Dynamo's worker id (its runtime's instance id).
+    pub worker_id: u64,
+    /// Data-parallel rank of the worker that emitted it.
+    pub dp_rank: u32,
+    /// The worker's event id: consecutive per (worker, dp rank).
+    pub event_id: u64,
+    /// Where the blocks are.
+    pub tier: Tier,
+    /// What happened.
+    pub data: EventData,
+}
+
+/// What a `RouterEvent` says happened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EventData {
+    /// A chain of blocks stored below `parent`: each the engine's hash and the contract
+    /// hash of its tokens.
+    Stored {
+        parent: Option<EngineHash>,
+        blocks: Vec<(EngineHash, BlockHash)>,
+    },
+    /// Blocks evicted, by the engine's hashes.
+    Removed(Vec<EngineHash>),
+    /// The worker's cache was dropped.
+    Cleared,
+    /// An event of a cache that is not the worker's own (`residency_domain: cache_owner`, a
+    /// shared pool a worker is attached to): nothing kvroute's per-worker index can hold.
+    Foreign,
+}
+
+/// Why a message is not a `RouterEvent`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// Malformed msgpack.
+    #[error("msgpack: {0}")]
+    Msgpack(#[from] msgpack::DecodeError),
+    /// Malformed JSON, or JSON of another shape.
+    #[error("JSON: {0}")]
+    Json(String),
+    /// A required field is absent.
+    #[error("no {0}")]
+    Missing(&'static str),
+    /// A field with a value Dynamo does not send.
+    #[error("bad {0}")]
+    Bad(&'static str),
+}
+
+/// Decodes one NATS message of a Dynamo KV event subject.
+///
+/// # Errors
+/// Anything that is not one of the shapes in the module doc.
+pub fn decode(payload: &[u8]) -> Result<RouterEvent, WireError> {
+    match payload.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') => decode_json(payload),
+        _ => decode_msgpack(payload, true),
+    }
+}
+
+/// A msgpack map: an envelope (when `envelope` allows one) or a bare `RouterEvent`.
+fn decode_msgpack(buf: &[u8], envelope: bool) -> Result<RouterEvent, WireError> {
+    let mut r = Reader::new(buf);
+    let fields = r.map_len()?;
+    let mut worker_id = None;
+    let mut tier = Tier::Gpu;
+    let mut foreign = false;
+    let mut event = None;
+    for _ in 0..fields {
+        match r.str()? {
+            // Envelopes nest once: the payload of an envelope must be the event itself.
+            "payload" if envelope => {
+                let at = r.at();
+                let inner = r.bin()?.ok_or(msgpack::DecodeError::Type {
+                    at,
+                    expected: "bin",
+                })?;
+                return decode_msgpack(inner, false);
+            }
+            "worker_id" => worker_id = Some(uint(&mut r, "worker_id")?),
+            "storage_tier" => tier = tier_of(r.str()?)?,
+            "residency_domain" => foreign = foreign_domain(r.str()?)?,
+            "event" => event = Some(kv_event(&mut r)?),
+            _ => r.skip(0)?,
+        }
+    }
+    let (event_id, dp_rank, data) = event.ok_or(WireError::Missing("event"))?;
+    Ok(RouterEvent {
+        worker_id: worker_id.ok_or(WireError::Missing("worker_id"))?,
+        dp_rank,
+        event_id,
+        tier,
+        data: if foreign { EventData::Foreign } else { data },
+    })
+}
+
+/// `{"event_id", "data", "dp_rank"}`.
+fn kv_event(r: &mut Reader<'_>) -> Result<(u64, u32, EventData), WireError> {
+    let fields = r.map_len()?;
+    let (mut id, mut dp, mut data) = (None, 0u32, None);
+    for _ in 0..fields {
+        match r.str()? {
+            "event_id" => id = Some(uint(r, "event_id")?),
+            "dp_rank" => {
+                dp = u32::try_from(uint(r, "dp_rank")?).map_err(|_| WireError::Bad("dp_rank"))?
+            }
+            "data" => data = Some(event_data(r)?),
+            _ => r.skip(0)?,
+        }
+    }
+    Ok((
+        id.ok_or(WireError::Missing("event_id"))?,
+        dp,
+        data.ok_or(WireError::Missing("data"))?,
+    ))
+}
+
+/// The externally tagged `KvCacheEventData`.
+fn event_data(r: &mut Reader<'_>) -> Result<EventData, WireError> {
+    if msgpack::is_map(r.peek()?) {
+        if r.map_len()? != 1 {
+            return Err(WireError::Bad("data (one variant)"));
+        }
+        return match r.str()? {
+            "stored" => stored(r),
+            "removed" => removed(r),
+            "cleared" => {
+                r.skip(0)?;
+                Ok(EventData::Cleared)
+            }
+            _ => Err(WireError::Bad("data variant")),
+        };
+    }
+    match r.str()? {
+        "cleared" => Ok(EventData::Cleared),
+        _ => Err(WireError::Bad("data variant")),
+    }
+}
+
+fn stored(r: &mut Reader<'_>) -> Result<EventData, WireError> {
+    let fields = r.map_len()?;
+    let (mut parent, mut blocks) = (None, None);
+    for _ in 0..fields {
+        match r.str()? {
+            "parent_hash" => {
+                parent = r
+                    .opt_int()?
+                    .map(|v| hash_of(v, "parent_hash"))
+                    .transpose()?
+            }
+            "blocks" => {
+                // Each block is a map of at least two fields: 3 bytes at the very least.
+                let n = r.array_len()?;
+                let n = r.checked_len(n as u64, 3, r.at())?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(block(r)?);
+                }
+                blocks = Some(v);
+            }
+            _ => r.skip(0)?,
+        }
+    }
+    Ok(EventData::Stored {
+        parent: parent.map(EngineHash),
+        blocks: blocks.ok_or(WireError::Missing("blocks"))?,
+    })
+}
+
+fn block(r: &mut Reader<'_>) -> Result<(EngineHash, BlockHash), WireError> {
+    let fields = r.map_len()?;
+    let (mut engine, mut tokens) = (None, None);
+    for _ in 0..fields {
+        match r.str()? {
+            "block_hash" => engine = Some(hash(r, "block_hash")?),
+            "tokens_hash" => tokens = Some(hash(r, "tokens_hash")?),
+            _ => r.skip(0)?,
+        }
+    }
+    Ok((
+        EngineHash(engine.ok_or(WireError::Missing("block_hash"))?),
+        BlockHash(tokens.ok_or(WireError::Missing("tokens_hash"))?),
+    ))
+}
+
+fn removed(r: &mut Reader<'_>) -> Result<EventData, WireError> {
+    let fields = r.map_len()?;
+    let mut hashes = None;
+    for _ in 0..fields {
+        match r.str()? {
+            "block_hashes" => {
+                let n = r.array_len()?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(EngineHash(hash(r, "block_hashes")?));
+                }
+                hashes = Some(v);
+            }
+            _ => r.skip(0)?,
+        }
+    }
+    Ok(EventData::Removed(
+        hashes.ok_or(WireError::Missing("block_hashes"))?,
+    ))
+}
+
+fn uint(r: &mut Reader<'_>, what: &'static str) -> Result<u64, WireError> {
+    match r.int()? {
+        Some(v) => u64::try_from(v).map_err(|_| WireError::Bad(what)),
+        None => Err(WireError::Bad(what)),
+    }
+}
+
+/// A 64-bit hash: Dynamo writes them as u64; an i64 (a Python publisher's) keeps its bits.
+fn hash(r: &mut Reader<'_>, what: &'static str) -> Result<u64, WireError> {
+    hash_of(r.int()?.ok_or(WireError::Bad(what))?, what)
+}
+
+fn hash_of(v: i128, what: &'static str) -> Result<u64, WireError> {
+    if v < 0 {
+        i64::try_from(v)
+            .map(|v| v as u64)
+            .map_err(|_| WireError::Bad(what))
+    } else {
+        u64::try_from(v).map_err(|_| WireError::Bad(what))
+    }
+}
+
+/// Dynamo's `StorageTier` names. External (a shared pool outside the worker) is the farthest
+/// tier kvroute has: disk.
+fn tier_of(s: &str) -> Result<Tier, WireError> {
+    match s {
+        "device" => Ok(Tier::Gpu),
+        "host_pinned" => Ok(Tier::Cpu),
+        "disk" | "external" => Ok(Tier::Disk),
+        _ => Err(WireError::Bad("storage_tier")),
+    }
+}
+
+/// Whether `residency_domain` names a cache that is not the worker's own.
+fn foreign_domain(s: &str) -> Result<bool, WireError> {
+    match s {
+        "worker" => Ok(false),
+        "cache_owner" => Ok(true),
+        _ => Err(WireError::Bad("residency_domain")),
+    }
+}
+
+/// The JSON forms: a `RouterEvent`, or the first event plane's `NatsEnvelope` around one.
+#[derive(Deserialize)]
+struct JsonTop {
+    worker_id: Option<u64>,
+    storage_tier: Option<String>,
+    residency_domain: Option<String>,
+    event: Option<JsonKvEvent>,
+    payload: Option<Vec<u8>>,
+}
+
+#[derive(Deserialize)]
+struct JsonKvEvent {
+    event_id: u64,
+    data: JsonData,
+    #[serde(default)]
+    dp_rank: u32,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum JsonData {
+    Stored(JsonStore),
+    Removed(JsonRemove),
+    Cleared,
+}
+
+#[derive(Deserialize)]
+struct JsonStore {
+    parent_hash: Option<u64>,
+    blocks: Vec<JsonBlock>,
+}
+
+#[derive(Deserialize)]
+struct JsonBlock {
+    block_hash: u64,
+    tokens_hash: u64,
+}
+
+#[derive(Deserialize)]
+struct JsonRemove {
+    block_hashes: Vec<u64>,
+}
+
+fn decode_json(payload: &[u8]) -> Result<RouterEvent, WireError> {
+    let top: JsonTop =
+        serde_json::from_slice(payload).map_err(|e| WireError::Json(e.to_string()))?;
+    if let Some(inner) = top.payload {
+        // The envelope's payload is the event itself, never another envelope.
+        let inner: JsonTop =
+            serde_json::from_slice(&inner).map_err(|e| WireError::Json(e.to_string()))?;
+        if inner.payload.is_some() {
+            return Err(WireError::Bad("payload (nested envelope)"));
+        }
+        return json_event(inner);
+    }
+    json_event(top)
+}
+
+fn json_event(top: JsonTop) -> Result<RouterEvent, WireError> {
+    let event = top.event.ok_or(WireError::Missing("event"))?;
+    let tier = top.storage_tier.as_deref().map_or(Ok(Tier::Gpu), tier_of)?;
+    let foreign = top
+        .residency_domain
+        .as_deref()
+        .map_or(Ok(false), foreign_domain)?;
+    let data = match event.data {
+        _ if foreign => EventData::Foreign,
+        JsonData::Stored(s) => EventData::Stored {
+            parent: s.parent_hash.map(EngineHash),
+            blocks: s
+                .blocks
+                .into_iter()
+                .map(|b| (EngineHash(b.block_hash), BlockHash(b.tokens_hash)))
+                .collect(),
+        },
+        JsonData::Removed(r) => {
+            EventData::Removed(r.block_hashes.into_iter().map(EngineHash).collect())
+        }
+        JsonData::Cleared => EventData::Cleared,
+    };
+    Ok(RouterEvent {
+        worker_id: top.worker_id.ok_or(WireError::Missing("worker_id"))?,
+        dp_rank: event.dp_rank,
+        event_id: event.event_id,
+        tier,
+        data,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// msgpack writers for hand-built messages: a str, a uint (u64 form), a map header.
+    fn s(out: &mut Vec<u8>, v: &str) {
+        assert!(v.len() < 32);
+        out.push(0xa0 | v.len() as u8);
+        out.extend_from_slice(v.as_bytes());
+    }
+    fn u(out: &mut Vec<u8>, v: u64) {
+        out.push(0xcf);
+        out.extend_from_slice(&v.to_be_bytes());
+    }
+    fn map(out: &mut Vec<u8>, n: u8) {
+        out.push(0x80 | n);
+    }
+
+    /// A `RouterEvent` storing two blocks, as `rmp_serde::to_vec_named` writes it.
+    fn stored_event() -> Vec<u8> {
+        let mut m = Vec::new();
+        map(&mut m, 3);
+        s(&mut m, "worker_id");
+        u(&mut m, 7);
+        s(&mut m, "storage_tier");
+        s(&mut m, "host_pinned");
+        s(&mut m, "event");
+        map(&mut m, 3);
+        s(&mut m, "event_id");
+        u(&mut m, 42);
+        s(&mut m, "data");
+        map(&mut m, 1);
+        s(&mut m, "stored");
+        map(&mut m, 3);
+        s(&mut m, "parent_hash");
+        m.push(0xc0);
+        s(&mut m, "start_position");
+        m.push(0xc0);
+        s(&mut m, "blocks");
+        m.push(0x92);
+        for (e, t) in [(11u64, 21u64), (12, 22)] {
+            map(&mut m, 3);
+            s(&mut m, "block_hash");
+            u(&mut m, e);
+            s(&mut m, "tokens_hash");
+            u(&mut m, t);
+            s(&mut m, "mm_extra_info");
+            m.push(0xc0);
+        }
+        s(&mut m, "dp_rank");
+        m.push(0x01);
+        m
+    }
+
+    fn envelope(payload: &[u8]) -> Vec<u8> {
+        let mut m = Vec::new();
+        map(&mut m, 5);
+        s(&mut m, "publisher_id");
+        u(&mut m, 99);
+        s(&mut m, "sequence");
+        u(&mut m, 3);
+        s(&mut m, "published_at");
+        u(&mut m, 1_700_000_000_000);
+        s(&mut m, "topic");
+        s(&mut m, "kv-events");
+        s(&mut m, "payload");
+        m.push(0xc5);
+        m.extend_from_slice(&(payload.len() as u16).to_be_bytes());
+        m.extend_from_slice(payload);
+        m
+    }
+
+    #[test]
+    fn an_enveloped_msgpack_store_decodes() {
+        let want = RouterEvent {
+            worker_id: 7,
+            dp_rank: 1,
+            event_id: 42,
+            tier: Tier::Cpu,
+            data: EventData::Stored {
+                parent: None,
+                blocks: vec![
+                    (EngineHash(11), BlockHash(21)),
+                    (EngineHash(12), BlockHash(22)),
+                ],
+            },
+        };
+        assert_eq!(decode(&envelope(&stored_event())), Ok(want.clone()));
+        // The bare event too.
+        assert_eq!(decode(&stored_event()), Ok(want));
+    }
+
+    #[test]
+    fn cleared_comes_as_a_string_or_a_one_key_map() {
+        for data in [&b"\xa7cleared"[..], &b"\x81\xa7cleared\xc0"[..]] {
+            let mut m = Vec::new();
+            map(&mut m, 2);
+            s(&mut m, "worker_id");
+            u(&mut m, 1);
+            s(&mut m, "event");
+            map(&mut m, 2);
+            s(&mut m, "event_id");
+            u(&mut m, 0);
+            s(&mut m, "data");
+            m.extend_from_slice(data);
+            let e = decode(&envelope(&m)).unwrap();
+            assert_eq!(
+                (e.data, e.dp_rank, e.tier),
+                (EventData::Cleared, 0, Tier::Gpu)
+            );
+        }
+    }
+
+    #[test]
+    fn json_router_events_and_envelopes_decode() {
+        let json = r#"{"worker_id":5,"event":{"event_id":9,"data":{"removed":{"block_hashes":[1,18446744073709551615]}},"dp_rank":0}}"#;
+        let want = RouterEvent {
+            worker_id: 5,
+            dp_rank: 0,
+            event_id: 9,
+            tier: Tier::Gpu,
+            data: EventData::Removed(vec![EngineHash(1), EngineHash(u64::MAX)]),
+        };
+        assert_eq!(decode(json.as_bytes()), Ok(want.clone()));
+        let env = format!(
+            r#"{{"publisher_id":1,"sequence":0,"published_at":0,"payload":{:?}}}"#,
+            json.as_bytes()
+        );
+        assert_eq!(decode(env.as_bytes()), Ok(want));
+        let owner = r#"{"worker_id":5,"residency_domain":"cache_owner","storage_tier":"disk","event":{"event_id":1,"data":"cleared"}}"#;
+        assert_eq!(decode(owner.as_bytes()).unwrap().data, EventData::Foreign);
+    }
+
+    #[test]
+    fn bad_messages_are_errors() {
+        let mut lying = Vec::new();
+        map(&mut lying, 1);
+        s(&mut lying, "event");
+        lying.extend_from_slice(&[0xdf, 0xff, 0xff, 0xff, 0xff]);
+        let cases: Vec<Vec<u8>> = vec![
+            Vec::new(),
+            b"\xc1".to_vec(),
+            b"{not json".to_vec(),
+            br#"{"worker_id":1}"#.to_vec(),
+            br#"{"worker_id":1,"storage_tier":"moon","event":{"event_id":1,"data":"cleared"}}"#
+                .to_vec(),
+            lying,
+            // An envelope inside an envelope.
+            envelope(&envelope(&stored_event())),
+            // Truncated.
+            envelope(&stored_event())[..40].to_vec(),
+        ];
+        for c in cases {
+            assert!(decode(&c).is_err(), "{c:?}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode(&bytes);
+        }
+
+        #[test]
+        fn cut_or_flipped_messages_never_panic(cut in 0usize..300, flip in 0usize..300, bit in 0u8..8) {
+            let mut m = envelope(&stored_event());
+            if flip < m.len() {
+                m[flip] ^= 1 << bit;
+            }
+            m.truncate(cut.min(m.len()));
+            let _ = decode(&m);
+        }
+    }
+}
