@@ -23,7 +23,8 @@
 //!   taken of it ([`state`]: the file); `workers`: registering starts a worker's subscriber.
 //! - [`ui`]: the fleet page (`/ui/`) and its `/v1/fleet/overview`.
 //! - [`text`]: the models' tokenizers (`--tokenizer`) for `/tokenize` and text `/query`.
-//! - [`bus`]: the optional NATS JetStream event bus between collectors (`--nats`).
+//! - [`bus`]: the optional NATS JetStream event bus between collectors (`--nats`), and the
+//!   reader of an NVIDIA Dynamo fleet's KV events on the same server (`--dynamo-namespace`).
 //! - [`config`]: command line and config file.
 //!
 //! It must not hold the hub's lock across an `.await`, and must not let one engine's bad

@@ -578,6 +578,24 @@ async fn bad_messages_are_counted_and_skipped() {
         envelope(102, &router_event(9, 0, 0, "device", Data::Cleared)),
     )
     .await;
+    // A worker id someone registered by hand under another model: refused, its events skipped.
+    c.state
+        .register(kvroute::api::RegisterRequest {
+            instance_id: "5".into(),
+            endpoint: "tcp://127.0.0.1:1".into(),
+            replay_endpoint: None,
+            model_name: "other".into(),
+            tenant_id: None,
+            block_size: BS as u32,
+            dp_rank: None,
+            lora_name: None,
+            cache_salt: None,
+            address: None,
+        })
+        .expect("register by hand");
+    let t5 = tokens(70, 4);
+    p.send(5, 0, 0, "device", Data::Stored(None, &blocks(&t5, 600)))
+        .await;
     // Then a good event, in order after all of them.
     let t2 = tokens(50, 4);
     p.send(
@@ -594,6 +612,8 @@ async fn bad_messages_are_counted_and_skipped() {
     assert_eq!(c.count("too_large"), 1);
     assert_eq!(c.count("foreign"), 1);
     assert_eq!(c.count("gap"), 0);
+    assert_eq!(c.count("refused"), 1);
+    assert_eq!(c.query(&t5).await.get("5"), None);
     assert!(c.state.read().workers().all(|w| w.reg.instance_id != "9"));
     // Still serving, still healthy.
     let health: serde_json::Value = reqwest::get(format!("http://{}/health", c.addr))

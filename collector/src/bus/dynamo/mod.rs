@@ -4,7 +4,9 @@
 //!
 //! # What Dynamo publishes (the facts this module relies on)
 //!
-//! Read in `ai-dynamo/dynamo` (no code copied; files and the commits they were read at):
+//! Read in `ai-dynamo/dynamo` (no code copied; files and the commits they were read at, all
+//! from its 2026 main line, whose workspace version reads 1.2.0 at 0230a315ea6a and whose
+//! msgpack is `rmp-serde` 1):
 //!
 //! - `lib/kv-router/src/protocols.rs` (038eab23a6b6): `KV_EVENT_SUBJECT = "kv-events"`; the
 //!   `RouterEvent { worker_id, storage_tier, residency_domain?, event: KvCacheEvent

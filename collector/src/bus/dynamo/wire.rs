@@ -21,9 +21,11 @@
 //! "state_source"?: ..}`; a `KvCacheEvent` is `{"event_id": u64, "data": KvCacheEventData,
 //! "dp_rank": u32 (absent: 0)}`; `data` is serde's external tagging of
 //! `Stored(KvCacheStoreData) | Removed(KvCacheRemoveData) | Cleared`: `{"stored": {...}}`,
-//! `{"removed": {...}}`, and `"cleared"` (a map `{"cleared": nil}` is taken too). A store is
-//! `{"parent_hash": u64|nil, "start_position"?: u32|nil, "blocks": [{"block_hash": u64,
-//! "tokens_hash": u64, "mm_extra_info"?: ..}]}`, a removal `{"block_hashes": [u64]}`.
+//! `{"removed": {...}}`, and `"cleared"` (`rmp-serde` 1 writes a unit variant as its name and
+//! a newtype variant as a one-key map, as JSON does; a map `{"cleared": nil}` is taken too).
+//! A store is `{"parent_hash": u64|nil, "start_position"?: u32|nil, "blocks":
+//! [{"block_hash": u64, "tokens_hash": u64, "mm_extra_info"?: ..}]}`, a removal
+//! `{"block_hashes": [u64]}`.
 //! `block_hash` is the engine's own hash (kvroute's [`EngineHash`]), `tokens_hash` the hash of
 //! the block's tokens under the contract kvroute shares with Dynamo (its `BlockHash`).
 //! Unknown keys are skipped; structs written positionally (msgpack arrays) are not read.
