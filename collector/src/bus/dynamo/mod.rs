@@ -35,6 +35,10 @@
 //!   the worker's discovered instance through `AddressedPushRouter`, TCP by default, answered
 //!   as a response stream. Not a NATS request/reply a client can make without Dynamo's
 //!   runtime, so it is not made here (below).
+//! - `lib/llm/src/kv_router/indexer/recovery/worker_query_state.rs` (02d6b3f471b3) and
+//!   `subscriber.rs` (073c558e6cdd): Dynamo's router follows event ids per `(worker id, dp
+//!   rank)`; an id at or below the last applied is stale and ignored, a jump starts the
+//!   recovery query; JetStream (`--durable-kv-events`) is deprecated in favour of this mode.
 //!
 //! # What this reader does
 //!
@@ -49,7 +53,8 @@
 //!   worker), `--dynamo-model`, `--dynamo-block-size`, `--dynamo-tenant`, and
 //!   `--dynamo-address` as the serving address. A Dynamo fleet's worker ids are drawn by its
 //!   runtime at every start and never configured, so an operator could not `/register` them
-//!   ahead; Dynamo's own router learns them the same way. The registration opens no socket
+//!   ahead (Dynamo's router learns them from its discovery plane, etcd or Kubernetes, which
+//!   kvroute does not read; the events name them too). The registration opens no socket
 //!   (its endpoint is the placeholder [`ENDPOINT`]) and is not published on the bus registry:
 //!   every collector with `--dynamo-namespace` reads the subject itself (NATS Core fans it out
 //!   to each). At most `--dynamo-max-workers` at once: a new worker past that unregisters the
@@ -63,8 +68,9 @@
 //!   neither, so they land in the base scope where no request matches them: only base-model
 //!   prefixes match. Multimodal blocks likewise (their hash folds in the images).
 //! - **Applies** through [`Shared::apply_batch`], the path of ZMQ batches and of the stream.
-//! - **Gaps**: per worker, event ids go up by one. The next one is applied; one at or below
-//!   the last is a second copy (`duplicate`, skipped); a jump is a gap: counted (`gap`, the
+//! - **Gaps**: per worker and dp rank, event ids go up by one. The next one is applied; one at
+//!   or below the last is stale (`duplicate`, skipped, as Dynamo's router does); a jump is a
+//!   gap: counted (`gap`, the
 //!   worker's `gaps` and `kvroute_gaps_total`), the worker's blocks are cleared (what was
 //!   missed may have removed blocks it still appears to hold, and routing on blocks an engine
 //!   dropped costs more than routing on too few), and the event is applied. Dynamo's
