@@ -67,15 +67,15 @@ check-rules:
 	promtool check rules dashboards/alerts.yaml
 .PHONY: check-rules
 
-# The collector's NATS tests (collector/tests/nats.rs) start a real nats-server -js.
+# The collector's NATS tests (collector/tests/nats.rs, dynamo.rs) start a real nats-server -js.
 test-rust:
 	bash tools/install-nats-server.sh >/dev/null
 	$(CARGO) test -j$(JOBS) --workspace
 
-## The NATS JetStream event bus alone (part of test-rust).
+## The NATS JetStream event bus and the Dynamo reader alone (part of test-rust).
 test-nats:
 	bash tools/install-nats-server.sh >/dev/null
-	$(CARGO) test -j$(JOBS) -p kvroute-collector --test nats
+	$(CARGO) test -j$(JOBS) -p kvroute-collector --test nats --test dynamo
 .PHONY: test-nats
 
 # The end-to-end tests use the dev-profile binaries that `test-rust` already built (their
