@@ -669,5 +669,37 @@ async fn workers_register_on_first_sight_and_the_least_recently_heard_is_evicted
     c.until(&tb, "2", 4).await;
     assert_eq!(c.count("evicted"), 2);
     assert_eq!(c.query(&ta).await.get("1"), None);
+    // At the cap, a worker the hub refuses (its id registered by hand under another model)
+    // evicts nobody.
+    c.state
+        .register(kvroute::api::RegisterRequest {
+            instance_id: "5".into(),
+            endpoint: "tcp://127.0.0.1:1".into(),
+            replay_endpoint: None,
+            model_name: "other".into(),
+            tenant_id: None,
+            block_size: BS as u32,
+            dp_rank: None,
+            lora_name: None,
+            cache_salt: None,
+            address: None,
+        })
+        .expect("register by hand");
+    p.send(5, 0, 0, "device", Data::Stored(None, &blocks(&ta, 500)))
+        .await;
+    // In order behind it, a store of a worker already in.
+    p.send(
+        3,
+        0,
+        1,
+        "device",
+        Data::Stored(Some(300), &blocks(&ta, 301)),
+    )
+    .await;
+    let ca: Vec<u32> = tc.iter().chain(&ta).copied().collect();
+    c.until(&ca, "3", 8).await;
+    assert_eq!(c.count("refused"), 1);
+    assert_eq!(c.count("evicted"), 2);
+    assert_eq!(c.query(&tb).await.get("2"), Some(&4));
     c.stop().await;
 }

@@ -66,7 +66,8 @@
 //!   hashes from token ids matches blocks a Dynamo worker reported. A LoRA's or a cache
 //!   namespace's blocks carry a hash under Dynamo's seed for them while the event names
 //!   neither, so they land in the base scope where no request matches them: only base-model
-//!   prefixes match. Multimodal blocks likewise (their hash folds in the images).
+//!   prefixes match. Multimodal blocks likewise (their hash folds in the images), and the
+//!   blocks of Eagle speculative-decoding workers (hashed over one token more).
 //! - **Applies** through [`Shared::apply_batch`], the path of ZMQ batches and of the stream.
 //! - **Gaps**: per worker and dp rank, event ids go up by one. The next one is applied; one at
 //!   or below the last is stale (`duplicate`, skipped, as Dynamo's router does); a jump is a
@@ -170,7 +171,7 @@ impl Reader {
                 count(&shared.metrics, DIR, "duplicate");
                 return;
             }
-            Some(last) if ev.event_id > last + 1 => {
+            Some(last) if ev.event_id > last.saturating_add(1) => {
                 warn!(
                     worker = ev.worker_id,
                     dp = ev.dp_rank,
@@ -197,7 +198,10 @@ impl Reader {
             k.last = Some(ev.event_id);
         }
         let event_id = ev.event_id;
-        shared.apply_batch(id, event_id, batch_of(ev)).await;
+        let Some(batch) = batch_of(ev) else {
+            return;
+        };
+        shared.apply_batch(id, event_id, batch).await;
         count(&shared.metrics, DIR, "applied");
         shared.notify();
     }
@@ -217,9 +221,6 @@ impl Reader {
             }
             // Unregistered meanwhile (`/unregister`, or the slot went to another worker).
             self.known.remove(&key);
-        }
-        if self.known.len() >= self.config.max_workers {
-            self.evict(shared);
         }
         let req = RegisterRequest {
             instance_id: worker_id.to_string(),
@@ -256,6 +257,10 @@ impl Reader {
         hub.set_connected(id, true);
         let generation = hub.worker(id).map_or(0, |w| w.generation);
         drop(hub);
+        // Room is made once the new worker is in: a worker the hub refuses evicts nobody.
+        if self.known.len() >= self.config.max_workers {
+            self.evict(shared);
+        }
         shared.notify();
         self.known.insert(
             key,
@@ -295,8 +300,9 @@ impl Reader {
     }
 }
 
-/// The normalized batch of one Dynamo event.
-fn batch_of(ev: RouterEvent) -> Batch {
+/// The normalized batch of one Dynamo event; `None` for a shared pool's event, which no
+/// worker of the index holds.
+fn batch_of(ev: RouterEvent) -> Option<Batch> {
     let event = match ev.data {
         EventData::Stored { parent, blocks } => KvEvent::BlockStored {
             parent,
@@ -316,15 +322,15 @@ fn batch_of(ev: RouterEvent) -> Batch {
             hashes,
             tier: ev.tier,
         },
-        // Foreign events never get here; an empty batch if one did.
-        EventData::Cleared | EventData::Foreign => KvEvent::AllBlocksCleared,
+        EventData::Cleared => KvEvent::AllBlocksCleared,
+        EventData::Foreign => return None,
     };
-    Batch {
+    Some(Batch {
         ts: 0.0,
         dp_rank: None,
         events: vec![event],
         stats: DecodeStats::default(),
-    }
+    })
 }
 
 /// Unregisters the Dynamo workers a `--state-dir` snapshot brought back (see the module doc).
