@@ -9,18 +9,16 @@
 
 #[allow(dead_code)]
 mod common;
+#[allow(dead_code)]
+mod natsd;
 
 use std::collections::BTreeMap;
-use std::net::{SocketAddr, TcpListener as StdListener};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::{tokens, DEADLINE};
 use kvroute::api::QueryResponse;
 use kvroute_collector::bus::{BusConfig, DynamoConfig, Role};
-use kvroute_collector::{AppState, Config};
-use tokio::sync::oneshot;
+use natsd::{bus, config, Collector, Nats};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 const M: &str = "llama";
@@ -28,101 +26,19 @@ const BS: usize = 4;
 /// Where the workers publish (`--dynamo-namespace dyn`, any component).
 const SUBJECT: &str = "namespace.dyn.component.backend.kv-events";
 
-/// `nats-server`, from Debian's path, installed by the project's script if absent.
-fn nats_server_bin() -> PathBuf {
-    for p in ["/usr/sbin/nats-server", "/usr/bin/nats-server"] {
-        if Path::new(p).exists() {
-            return p.into();
-        }
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/install-nats-server.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .output()
-        .expect("run tools/install-nats-server.sh");
-    assert!(
-        out.status.success(),
-        "install-nats-server.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_owned())
-}
+/// A collector (role `both`, as a small Dynamo fleet's would be) reading the Dynamo subject
+/// of `nats`, auto-registering at most `max_workers` Dynamo workers.
+struct Reader(Collector);
 
-/// A `nats-server -js` on loopback (JetStream for the collector's own bus, as a Dynamo
-/// deployment's server has it), killed on drop.
-struct Nats {
-    port: u16,
-    _dir: tempfile::TempDir,
-    child: Child,
-}
-
-impl Nats {
-    async fn start() -> Nats {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
-        let port = StdListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
-        let dir = tempfile::tempdir().expect("temp dir");
-        let conf = dir.path().join("nats.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "listen: 127.0.0.1:{port}\nmax_payload: 1048576\njetstream {{\n  store_dir: \"{}\"\n}}\n",
-                dir.path().join("js").display()
-            ),
-        )
-        .expect("write nats.conf");
-        let child = Command::new(nats_server_bin())
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start nats-server");
-        let until = tokio::time::Instant::now() + DEADLINE;
-        while tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_err()
-        {
-            assert!(
-                tokio::time::Instant::now() < until,
-                "nats-server did not listen"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        Nats {
-            port,
-            _dir: dir,
-            child,
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+impl std::ops::Deref for Reader {
+    type Target = Collector;
+    fn deref(&self) -> &Collector {
+        &self.0
     }
 }
 
-impl Drop for Nats {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// One collector served in-process on a loopback port.
-struct Collector {
-    state: AppState,
-    addr: SocketAddr,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Collector {
-    async fn start(nats: &Nats, max_workers: usize) -> Collector {
+impl Reader {
+    async fn start(nats: &Nats, max_workers: usize) -> Reader {
         let dynamo = DynamoConfig {
             subject: "namespace.dyn.component.*.kv-events".into(),
             model: M.into(),
@@ -133,52 +49,15 @@ impl Collector {
             max_workers,
         };
         let bus = BusConfig {
-            url: nats.url(),
-            role: Role::Both,
-            stream: "KVROUTE_EVENTS".into(),
-            subject_prefix: "kvroute".into(),
-            durable: "unused".into(),
-            registry_stream: "KVROUTE_REGISTRY".into(),
-            max_age: Duration::from_secs(90),
-            max_bytes: 64 << 20,
-            max_message_bytes: 1 << 20,
             outbox_batches: 1024,
             dynamo: Some(dynamo),
+            ..bus(&nats.url(), Role::Both, "unused")
         };
-        let config = Config {
-            nats: Some(bus),
-            scrape_interval: Duration::ZERO,
-            ..common::config()
-        };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let state = kvroute_collector::start(config).expect("start");
-        let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn({
-            let state = state.clone();
-            async move {
-                kvroute_collector::serve(listener, state, async {
-                    let _ = rx.await;
-                })
-                .await
-                .expect("serve");
-            }
-        });
-        Collector {
-            state,
-            addr,
-            stop: Some(tx),
-            task,
-        }
+        Reader(Collector::start(config(Some(bus))).await)
     }
 
-    async fn stop(mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
-        let _ = (&mut self.task).await;
+    async fn stop(self) {
+        self.0.stop().await;
     }
 
     /// `POST /query` over HTTP: each instance's longest match, in tokens.
@@ -215,14 +94,7 @@ impl Collector {
 
     /// `kvroute_bus_messages_total{dir="dynamo",outcome}`.
     fn count(&self, outcome: &str) -> u64 {
-        let needle = format!("kvroute_bus_messages_total{{dir=\"dynamo\",outcome=\"{outcome}\"}} ");
-        self.state
-            .metrics
-            .encode()
-            .lines()
-            .find_map(|l| l.strip_prefix(&needle))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
+        self.bus_count("dynamo", outcome)
     }
 
     /// Waits until `instance`'s longest match of `t` is `want` tokens.
@@ -387,7 +259,7 @@ fn blocks(t: &[u32], first: u64) -> Vec<(u64, &[u32])> {
 
 /// Publishes worker `w`'s first store until the collector shows it: NATS Core drops what is
 /// published before the subscription lands. Returns the next event id.
-async fn first_store(c: &Collector, p: &mut Worker, w: u64, t: &[u32], first: u64) -> u64 {
+async fn first_store(c: &Reader, p: &mut Worker, w: u64, t: &[u32], first: u64) -> u64 {
     let until = tokio::time::Instant::now() + DEADLINE;
     let mut id = 0;
     loop {
@@ -417,7 +289,7 @@ async fn first_store(c: &Collector, p: &mut Worker, w: u64, t: &[u32], first: u6
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dynamo_events_are_indexed_and_answered_by_query() {
     let nats = Nats::start().await;
-    let c = Collector::start(&nats, 64).await;
+    let c = Reader::start(&nats, 64).await;
     let mut p = Worker::connect(&nats).await;
     let t = tokens(1, 16);
     let mut next7 = first_store(&c, &mut p, 7, &t, 100).await;
@@ -529,7 +401,7 @@ async fn dynamo_events_are_indexed_and_answered_by_query() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_messages_are_counted_and_skipped() {
     let nats = Nats::start().await;
-    let c = Collector::start(&nats, 64).await;
+    let c = Reader::start(&nats, 64).await;
     let mut p = Worker::connect(&nats).await;
     let t = tokens(1, 8);
     let next = first_store(&c, &mut p, 7, &t, 100).await;
@@ -630,7 +502,7 @@ async fn bad_messages_are_counted_and_skipped() {
 async fn workers_register_on_first_sight_and_the_least_recently_heard_is_evicted() {
     let nats = Nats::start().await;
     // At most two Dynamo workers at once.
-    let c = Collector::start(&nats, 2).await;
+    let c = Reader::start(&nats, 2).await;
     let mut p = Worker::connect(&nats).await;
     let (ta, tb, tc) = (tokens(1, 4), tokens(10, 4), tokens(20, 4));
     let next = first_store(&c, &mut p, 1, &ta, 100).await;
