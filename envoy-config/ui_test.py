@@ -253,6 +253,46 @@ def test_engines_listed(page: Page, stack: UiStack) -> None:
     check(any(b > 0 for b in last["want"].values()), "no engine holds blocks")
 
 
+def banner(page: Page) -> list[tuple[str, str]]:
+    """The alarm banner's lines: ("alarm:<kind>" or "problem", text); empty when hidden."""
+    if not page.page.locator("#alarms").is_visible():
+        return []
+    out = []
+    for li in page.page.locator("#alarm-list li").all():
+        kind = li.get_attribute("data-alarm")
+        out.append((f"alarm:{kind}" if kind is not None else "problem", li.inner_text()))
+    return out
+
+
+def test_degraded_banner(page: Page, stack: UiStack) -> None:
+    """A degraded collector says why on the page: each alarm of /health and each other reason
+    (here the event bus down) is a line of the banner, and the banner follows /health back."""
+    nats = "nats: not connected (nats://127.0.0.1:4222: connection refused)"
+    silent = "engine e9 registered 300 s ago has sent no KV event while serving 12 requests"
+    fake = {"status": "degraded", "reasons": [nats, silent], "epoch": 1, "workers": 4,
+            "connected": 4, "alarms": [{"alarm": "engine_silent", "subject": "e9",
+                                        "reason": silent, "causes": ["events off"]}]}
+    route = "**/health"
+    page.page.route(route, lambda r: r.fulfill(status=200, content_type="application/json",
+                                               body=json.dumps(fake)))
+    try:
+        want = [("alarm:engine_silent", silent), ("problem", nats)]
+        K.wait_until(lambda: banner(page) == want, TIMEOUT_S, f"the banner to show {want}",
+                     interval=0.25)
+        badge = page.page.locator("#health")
+        check(badge.inner_text() == "collector degraded", f"badge: {badge.inner_text()!r}")
+    finally:
+        page.page.unroute(route)
+
+    def real() -> list[tuple[str, str]]:
+        h = K.http("GET", stack.collector_url + "/health", headers=auth(), timeout=5).json()
+        raised = {a["reason"] for a in h["alarms"]}
+        return ([(f"alarm:{a['alarm']}", a["reason"]) for a in h["alarms"]]
+                + [("problem", r) for r in h["reasons"] if r not in raised])
+    K.wait_until(lambda: banner(page) == real(), TIMEOUT_S, "the banner to follow /health back",
+                 interval=0.25)
+
+
 def test_probe(page: Page, stack: UiStack, prompts: dict[str, list[int]]) -> None:
     for name, tokens in prompts.items():
         want = matched_by_query(stack, tokens)
@@ -515,6 +555,8 @@ def main() -> int:
             try:
                 run("ui: no token or a wrong one shows an error and no data", test_token_refused, page)
                 run("ui: every engine with the block count of /workers", test_engines_listed, page, stack)
+                run("ui: a degraded /health's alarms and reasons are shown in the banner",
+                    test_degraded_banner, page, stack)
                 run("ui: probe bars equal POST /query", test_probe, page, stack, prompts)
                 run("ui: screenshot", test_screenshot, page, stack, prompts, args.update_docs)
                 run("ui: read-only, no browser errors", test_read_only, page)

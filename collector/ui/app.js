@@ -142,17 +142,21 @@ function setHealth(h) {
     el.className = "badge";
     el.textContent = "…";
     el.title = "collector /health";
-    setAlarms([]);
+    setAlarms([], []);
     return;
   }
   el.className = "badge " + (h.status === "ok" ? "ok" : "warn");
   el.textContent = h.status === "ok" ? "collector ok" : "collector degraded";
   el.title = h.reasons && h.reasons.length ? h.reasons.join("\n") : "no problems reported";
-  setAlarms(h.alarms);
+  setAlarms(h.alarms, h.reasons);
 }
 
-/** The alarm banner: one line per alarm `/health` lists (`{alarm, subject, reason}`). */
-function setAlarms(alarms) {
+/**
+ * The banner: one line per alarm `/health` lists (`{alarm, subject, reason}`), then one per
+ * other reason it is degraded (the event bus down, a scrape failing, ...), so a degraded
+ * collector says why on the page, not only in the badge's tooltip.
+ */
+function setAlarms(alarms, reasons) {
   const list = Array.isArray(alarms) ? alarms : [];
   const items = list.map((a) => {
     const li = document.createElement("li");
@@ -160,6 +164,14 @@ function setAlarms(alarms) {
     li.textContent = a.reason;
     return li;
   });
+  const raised = new Set(list.map((a) => a.reason));
+  for (const r of Array.isArray(reasons) ? reasons : []) {
+    if (raised.has(r)) continue;
+    const li = document.createElement("li");
+    li.dataset.problem = "";
+    li.textContent = r;
+    items.push(li);
+  }
   $("alarm-list").replaceChildren(...items);
   $("alarms").hidden = items.length === 0;
 }
