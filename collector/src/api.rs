@@ -183,13 +183,15 @@ async fn query(
         },
         Err(rej) => json(Err(rej))?,
     };
+    // The read lock ends with this statement, before the alarms' lock is taken.
     let res = state.read().query_tokens(
         &req.token_ids,
         &req.model_name,
         req.tenant_id.as_deref(),
         req.lora_name.as_deref(),
         req.cache_salt.as_deref(),
-    )?;
+    );
+    let res = res.inspect_err(|e| crate::health::note_query_error(&state, &req.model_name, e))?;
     let out = Json(res).into_response();
     observe(&state, "query", started.elapsed());
     Ok(out)
@@ -212,13 +214,15 @@ async fn query_text(state: AppState, bytes: Bytes, started: Instant) -> Result<R
         .encode(&req.model_name, input, "query", &state.metrics)
         .await?;
     let tenant = req.tenant_id.map(crate::text::StringOrNumber::into_string);
+    // The read lock ends with this statement, before the alarms' lock is taken.
     let res = state.read().query_tokens(
         &ids,
         &req.model_name,
         tenant.as_deref(),
         req.lora_name.as_deref(),
         req.cache_salt.as_deref(),
-    )?;
+    );
+    let res = res.inspect_err(|e| crate::health::note_query_error(&state, &req.model_name, e))?;
     let out = Json(res).into_response();
     observe(&state, "query_text", started.elapsed());
     Ok(out)

@@ -1,15 +1,23 @@
 //! `POST /v1/explain`: why a request would go where it goes. The body is a `/query` body
 //! (token ids, a prompt or chat messages, the model, tenant, LoRA and salt as the filter reads
 //! them) with optional `policy` knobs (`kvroute::router::PolicyConfig`, the filter's defaults
-//! when absent). The answer lays out the scope and block size used, every instance registered
-//! for the request's model with its matched tokens per tier, the fleet's load on it and its
-//! engine's last sample (with its age), whether it is saturated and whether it competes, its
-//! cost, and the winner and runner-up — ranked by `kvroute::router::decide`, the code the
-//! filter runs, on the load the collector holds (the sum of the gateways' reports).
+//! when absent) and an optional `gateway` (the id a filter reports its load under: the
+//! decision then takes that gateway's replica place, as its feed tells it). The answer lays
+//! out the scope and block size used, every instance registered for the request's model with
+//! its matched tokens per tier, the fleet's load on it and its engine's last sample (with its
+//! age), whether it is saturated and whether it competes, its cost, the winner, the runner-up
+//! and the instances tied with the winner.
 //!
-//! What it cannot show: one gateway's own books since its last report (up to a sync period),
-//! the speculative holders of its recent decisions, and its replica share. With those equal
-//! its decision is this one.
+//! The decision is the local-mode filter's, not an approximation of it: the same roster (live
+//! workers grouped by instance, in worker-slot order, so the replica shares match), each
+//! worker's match per tier folded into its instance's best rank by `Roster::contenders`, and
+//! `kvroute::router::decide` over the load the collector holds (the sum of the gateways'
+//! reports, engine samples that are not stale).
+//!
+//! What it cannot show: one gateway's own books since its last report (up to a sync period)
+//! and the speculative holders of its recent decisions. With those equal (one request at a
+//! time, speculative entries off or expired) the filter's choice is the winner or one of
+//! `tied`, at the costs listed here (`filter/tests/explain.rs` checks it on random fleets).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -20,16 +28,19 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
-use kvroute::api::{InstanceMatch, QueryResponse};
-use kvroute::mirror::LoadId;
-use kvroute::router::{self, Contender, InstanceLoad, PolicyConfig, Query};
-use kvroute::scope::ModelKey;
+use kvroute::event::WorkerId;
+use kvroute::hash;
+use kvroute::mirror::{LoadId, Meta, WorkerSlot};
+use kvroute::router::{
+    self, Contender, Counts, InstanceLoad, PolicyConfig, Query, Replica, Roster,
+};
+use kvroute::scope::{BlockKey, ModelKey};
 use kvroute::select::SplitMix64;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::fleet::EngineReading;
-use crate::hub::Hub;
+use crate::fleet::{EngineReading, GatewayId, WorkerLoad};
+use crate::hub::{Hub, HubError};
 use crate::reply::{json, ApiError};
 use crate::shared::AppState;
 use crate::text::StringOrNumber;
@@ -56,6 +67,10 @@ pub struct ExplainRequest {
     pub cache_salt: Option<String>,
     #[serde(default)]
     pub policy: PolicyConfig,
+    /// The gateway whose decision to explain (its `load.gateway_id`): its replica place among
+    /// the live gateways breaks near-ties as in its feed. Absent: a gateway deciding alone.
+    #[serde(default)]
+    pub gateway: Option<String>,
 }
 
 /// The answer.
@@ -72,6 +87,15 @@ pub struct Explanation {
     pub verdict: String,
     pub winner: Option<Pick>,
     pub runner_up: Option<Pick>,
+    /// The other instances the decision draws from with the winner (its random source is the
+    /// gateway's own seed, so a gateway may pick any of them): those at the winner's cost
+    /// (with replicas, those of the same share preference), every competing one when the
+    /// policy has a temperature.
+    #[serde(default)]
+    pub tied: Vec<String>,
+    /// The replica place decided under, `index/count` (`0/1` without a `gateway`).
+    #[serde(default)]
+    pub replica: String,
     /// Every instance serving the model, the winner first, then by cost.
     pub instances: Vec<InstanceExplained>,
     /// The alarms raised now that bear on this request: those about its engines
@@ -103,10 +127,13 @@ pub struct Pick {
 pub struct InstanceExplained {
     pub instance_id: String,
     pub address: String,
-    /// Matched tokens: in GPU memory, in GPU or CPU, in any tier.
+    /// Matched tokens of its best dp rank: in GPU memory, in GPU or CPU, in any tier.
     pub matched_tokens: [u64; 3],
     /// The same in blocks, as the cost counts them.
     pub matched_blocks: [u32; 3],
+    /// The dp rank holding that match (the rank header's value for a multi-rank instance).
+    #[serde(default)]
+    pub dp_rank: u32,
     /// Fleet load: requests in flight, uncached prefill and decode tokens booked.
     pub requests: u32,
     pub prefill_tokens: u64,
@@ -137,10 +164,16 @@ pub async fn explain(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: ExplainRequest = json(body)?;
-    let policy = req
+    let base = req
         .policy
         .validate()
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("policy.{e}")))?;
+    let gateway = req
+        .gateway
+        .as_deref()
+        .map(GatewayId::new)
+        .transpose()
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("gateway: {e}")))?;
     let tenant = req.tenant_id.map(StringOrNumber::into_string);
     let tokens = match (
         req.token_ids,
@@ -168,84 +201,76 @@ pub async fn explain(
     let now = Instant::now();
     // Lock order: fleet, then hub.
     let fleet = state.fleet();
-    let hub = state.read();
-    let (scope, _) = hub.scope_for(
-        &req.model_name,
-        tenant.as_deref(),
-        req.lora_name.as_deref(),
-        req.cache_salt.as_deref(),
-    )?;
-    let answer = hub.query_tokens(
-        &tokens,
-        &req.model_name,
-        tenant.as_deref(),
-        req.lora_name.as_deref(),
-        req.cache_salt.as_deref(),
-    )?;
-    let loads: BTreeMap<_, _> = fleet
+    let totals: BTreeMap<WorkerId, WorkerLoad> = fleet
         .totals(now)
         .into_iter()
         .map(|t| (t.worker, t))
         .collect();
-    let mut instances = serving(&hub, &scope.model_key(), &answer);
-    let likely_causes = bearing(&alarms, &hub, &scope.model_key(), &req.model_name);
-    for (id, inst) in &mut instances {
-        for w in hub.workers().filter(|w| &w.reg.instance_id == id) {
-            if let Some(t) = loads.get(&w.id) {
-                inst.load.add_counts(kvroute::router::Counts {
-                    requests: t.load.requests,
-                    prefill_tokens: t.load.prefill_tokens,
-                    decode_tokens: t.load.decode_tokens,
-                });
-                if let Some(e) = t.engine {
-                    inst.engine = Some(inst.engine.map_or(e, |cur| busier(cur, e)));
-                    if !e.stale {
-                        inst.load.add_engine(e.sample.load);
-                    }
-                }
+    // The feed's replica header, which a filter heeds only when the page carries fleet load.
+    let replica = gateway
+        .as_ref()
+        .filter(|g| !fleet.totals_for(now, Some(g)).is_empty())
+        .and_then(|g| {
+            let (index, count) = fleet.replica_of(g, now);
+            Replica::new(u32::try_from(index).ok()?, u32::try_from(count).ok()?)
+        })
+        .unwrap_or_default();
+    drop(fleet);
+    let policy = router::Policy { replica, ..base };
+    let hub = state.read();
+    if tokens.len() > hub.config().max_query_tokens {
+        return Err(HubError::TooLarge(format!(
+            "token_ids has {} entries, more than the limit of {}",
+            tokens.len(),
+            hub.config().max_query_tokens
+        ))
+        .into());
+    }
+    let (scope, block_size) = hub.scope_for(
+        &req.model_name,
+        tenant.as_deref(),
+        req.lora_name.as_deref(),
+        req.cache_salt.as_deref(),
+    )?;
+    let seqs = hash::sequence_hashes(&tokens, block_size as usize, scope.seed())
+        .map_err(|e| HubError::BadRequest(e.to_string()))?;
+    let id = scope.id();
+    let keys: Vec<BlockKey> = seqs.into_iter().map(|s| id.key(s)).collect();
+    let matches = hub.index.lookup(&keys);
+    let model = scope.model_key();
+    let roster = Roster::from_meta(&meta_of(&hub));
+    let likely_causes = bearing(&alarms, &hub, &model, &req.model_name);
+    drop(hub);
+    // Each worker slot's load as the filter's picture reads it: the fleet's counts, and the
+    // engine's sample unless stale.
+    let load = |id: LoadId| {
+        let mut l = InstanceLoad::default();
+        if let Some(t) = id.as_slot().and_then(|s| totals.get(&WorkerId(s))) {
+            l.add_counts(Counts {
+                requests: t.load.requests,
+                prefill_tokens: t.load.prefill_tokens,
+                decode_tokens: t.load.decode_tokens,
+            });
+            if let Some(e) = t.engine.filter(|e| !e.stale) {
+                l.add_engine(e.sample.load);
             }
         }
-    }
-    drop(hub);
-    drop(fleet);
+        l
+    };
+    let contenders: Vec<Contender> =
+        roster.contenders(&matches, &model.tenant, &model.model, load, &policy.weights);
     let query = Query {
-        blocks: answer.query_blocks,
-        block_size: answer.block_size,
+        blocks: keys.len() as u32,
+        block_size,
     };
-    // The answer with the cold instances added, turned into contenders by the filter's own
-    // remote-mode code (tiers to blocks, the rank holding the match).
-    let full = QueryResponse {
-        instances: instances
-            .iter()
-            .map(|(id, i)| {
-                let m = InstanceMatch {
-                    address: i.address.clone(),
-                    ..i.matched.clone()
-                };
-                (id.clone(), m)
-            })
-            .collect(),
-        ..answer.clone()
-    };
-    let contenders: Vec<Contender> = router::remote_contenders(&full, |load_id| {
-        instances
-            .iter()
-            .find(|(id, _)| LoadId::instance(id) == load_id)
-            .map(|(_, i)| i.load)
-            .unwrap_or_default()
-    })
-    .into_iter()
-    .map(|(c, _)| c)
-    .collect();
-    // The filter's seed is its own; ties here break by a fixed one.
+    // The filter's seed is its own; ties here break by a fixed one (`tied` lists the rest).
     let decision = router::decide(&contenders, query, &policy, &mut SplitMix64(0));
     let costs = router::costs(&contenders, query, &policy);
-    let ids: Vec<&String> = instances.keys().collect();
     let pick = |i: Option<usize>, cost: Option<f64>| -> Option<Pick> {
-        let id = *ids.get(i?)?;
+        let inst = roster.instances.get(i?)?;
         Some(Pick {
-            instance_id: id.clone(),
-            address: instances[id].address.clone(),
+            instance_id: inst.id.clone(),
+            address: inst.address.clone(),
             cost: cost?,
         })
     };
@@ -255,31 +280,47 @@ pub async fn explain(
             pick(Some(d.best), Some(d.cost)),
             pick(d.runner_up, d.runner_up_cost),
         ),
-        None if contenders.is_empty() => ("no_match", None, None),
+        None if contenders.iter().all(|c| !c.eligible) => ("no_match", None, None),
         None => ("deferred", None, None),
     };
-    let mut rows: Vec<InstanceExplained> = instances
-        .values()
+    let tied = decision.map_or_else(Vec::new, |d| {
+        tied_with(&contenders, &costs, d.best, &policy)
+            .into_iter()
+            .filter_map(|i| Some(roster.instances.get(i)?.id.clone()))
+            .collect()
+    });
+    let mut rows: Vec<InstanceExplained> = roster
+        .instances
+        .iter()
         .zip(&contenders)
         .zip(&costs)
-        .map(|((i, c), cost)| InstanceExplained {
-            instance_id: i.id.clone(),
-            address: i.address.clone(),
-            matched_tokens: [i.matched.gpu, i.matched.cpu, i.matched.disk],
-            matched_blocks: c.matched,
-            requests: i.load.requests,
-            prefill_tokens: i.load.prefill_tokens,
-            decode_tokens: i.load.decode_tokens,
-            engine: i.engine.map(|e| EngineExplained {
-                waiting: e.sample.load.waiting,
-                running: e.sample.load.running,
-                kv_usage: e.sample.load.kv_usage(),
-                age_ms: e.age.as_millis().min(u64::MAX.into()) as u64,
-                stale: e.stale,
-            }),
-            saturated: policy.saturated(&i.load),
-            competes: cost.is_some(),
-            cost: *cost,
+        .filter(|((_, c), _)| c.eligible)
+        .map(|((inst, c), cost)| {
+            let engine = inst
+                .slots
+                .iter()
+                .filter_map(|s| totals.get(&WorkerId(s.slot))?.engine)
+                .reduce(busier);
+            InstanceExplained {
+                instance_id: inst.id.clone(),
+                address: inst.address.clone(),
+                matched_tokens: c.matched.map(|b| u64::from(b) * u64::from(block_size)),
+                matched_blocks: c.matched,
+                dp_rank: c.dp_rank,
+                requests: c.load.requests,
+                prefill_tokens: c.load.prefill_tokens,
+                decode_tokens: c.load.decode_tokens,
+                engine: engine.map(|e| EngineExplained {
+                    waiting: e.sample.load.waiting,
+                    running: e.sample.load.running,
+                    kv_usage: e.sample.load.kv_usage(),
+                    age_ms: e.age.as_millis().min(u64::MAX.into()) as u64,
+                    stale: e.stale,
+                }),
+                saturated: policy.saturated(&c.load),
+                competes: cost.is_some(),
+                cost: *cost,
+            }
         })
         .collect();
     let won = winner.as_ref().map(|w| w.instance_id.clone());
@@ -289,20 +330,84 @@ pub async fn explain(
             .partial_cmp(&(first(b), b.cost.unwrap_or(f64::INFINITY)))
             .unwrap_or(std::cmp::Ordering::Equal)
     });
-    let model = scope.model_key();
     Ok(Json(Explanation {
         tenant: model.tenant,
         model: model.model,
-        block_size: answer.block_size,
+        block_size,
         query_tokens: tokens.len() as u64,
-        query_blocks: answer.query_blocks,
+        query_blocks: query.blocks,
         verdict: verdict.to_owned(),
         winner,
         runner_up,
+        tied,
+        replica: format!("{}/{}", policy.replica.index, policy.replica.count),
         instances: rows,
         likely_causes,
     })
     .into_response())
+}
+
+/// The mirror's view of the registry, as the feed's `Worker` ops build it in a filter: slot =
+/// worker id, live = routable.
+fn meta_of(hub: &Hub) -> Meta {
+    let mut meta = Meta::default();
+    for w in hub.workers() {
+        let slot = w.id.0 as usize;
+        if meta.workers.len() <= slot {
+            meta.workers.resize(slot + 1, None);
+        }
+        meta.workers[slot] = Some(WorkerSlot {
+            live: w.status.is_routable(),
+            dp_rank: w.dp_rank(),
+            instance_id: w.reg.instance_id.clone(),
+            address: w.address().to_owned(),
+            tenant: w.tenant().to_owned(),
+            model: w.reg.model_name.clone(),
+        });
+    }
+    meta
+}
+
+/// The contenders other than `best` that `router::decide` could have drawn in its place
+/// under another seed: any competing one at a temperature; else those at `best`'s very cost
+/// (`rank` draws among exact ties) and, where replicas prefer their share
+/// (`select::rank_preferring`), only those of `best`'s preference (in the share and holding
+/// nothing of the prompt, or not).
+fn tied_with(
+    contenders: &[Contender],
+    costs: &[Option<f64>],
+    best: usize,
+    policy: &router::Policy,
+) -> Vec<usize> {
+    let Some(&Some(at)) = costs.get(best) else {
+        return Vec::new();
+    };
+    let spread = policy.temperature.is_finite() && policy.temperature > 0.0;
+    let band = policy.replica_tie_band;
+    let preferring = !spread && policy.replica.count > 1 && band.is_finite() && band > 0.0;
+    // As `decide` numbers them: the k-th eligible contender is in share k mod count.
+    let mut k = 0;
+    let preferred: Vec<bool> = contenders
+        .iter()
+        .map(|c| {
+            if !c.eligible {
+                return false;
+            }
+            k += 1;
+            policy.replica.owns(k - 1) && c.matched[2] == 0
+        })
+        .collect();
+    costs
+        .iter()
+        .enumerate()
+        .filter(|&(i, c)| {
+            i != best
+                && c.is_some_and(|c| {
+                    spread || (c == at && (!preferring || preferred[i] == preferred[best]))
+                })
+        })
+        .map(|(i, _)| i)
+        .collect()
 }
 
 /// The raised alarms about the workers of `model`, the served name `served`, or any gateway.
@@ -332,36 +437,6 @@ fn bearing(
             reason: a.reason.clone(),
         })
         .collect()
-}
-
-/// An instance being explained: its match and its summed load.
-struct Serving {
-    id: String,
-    address: String,
-    matched: InstanceMatch,
-    load: InstanceLoad,
-    engine: Option<EngineReading>,
-}
-
-/// Every routable instance registered for the scope's `(tenant, model)`, with its match from
-/// the answer (none: a cold instance, which competes too), by instance id.
-fn serving(hub: &Hub, model: &ModelKey, answer: &QueryResponse) -> BTreeMap<String, Serving> {
-    let mut out = BTreeMap::new();
-    for w in hub.workers() {
-        let key = ModelKey::new(w.tenant(), &w.reg.model_name);
-        if &key != model || !w.status.is_routable() {
-            continue;
-        }
-        let id = w.reg.instance_id.clone();
-        out.entry(id.clone()).or_insert_with(|| Serving {
-            matched: answer.instances.get(&id).cloned().unwrap_or_default(),
-            address: w.address().to_owned(),
-            id,
-            load: InstanceLoad::default(),
-            engine: None,
-        });
-    }
-    out
 }
 
 /// The busier of two readings of one instance's ranks (fresh before stale).

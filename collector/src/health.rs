@@ -3,9 +3,12 @@
 //! gauges updated on the way. Its own module so the endpoints that read it and the alarm
 //! rules (`alarm.rs`, plain data in, alarms out) stay apart.
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::alarm::{Alarm, EngineObservation};
+use crate::hub::HubError;
 use crate::metrics::AlarmLabels;
 use crate::shared::AppState;
 
@@ -54,6 +57,29 @@ pub fn evaluate_alarms(state: &AppState) -> Vec<Alarm> {
     }
     state.metrics.alarms_raised.set(alarms.len() as i64);
     alarms
+}
+
+/// The `no_model` alarm's source name for `/query` calls: a remote-mode filter asks `/query`
+/// per request and learns an unknown model only as that call's 404, so its load reports never
+/// name it; the collector counts it itself.
+pub const QUERY_SOURCE: &str = "/query";
+
+/// A sequence that only grows, process-wide: the `no_model` memory keeps a cumulative count
+/// per (source, model) and asks only whether it grew, and every next value of this grew past
+/// every earlier one, whatever the model.
+static QUERY_NO_MODEL: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a `/query` for a model no engine is registered for, when `err` says that is why it
+/// failed: the `no_model` alarm for `model` is raised (source [`QUERY_SOURCE`]).
+pub fn note_query_error(state: &AppState, model: &str, err: &HubError) {
+    if let HubError::NotFound(_) = err {
+        let n = QUERY_NO_MODEL.fetch_add(1, Ordering::Relaxed) + 1;
+        state.alarms.note_no_model(
+            QUERY_SOURCE,
+            &BTreeMap::from([(model.to_owned(), n)]),
+            Instant::now(),
+        );
+    }
 }
 
 /// The truth check's readings with what the registry knows of each worker, the gateway

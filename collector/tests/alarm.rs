@@ -104,3 +104,42 @@ async fn requests_for_an_unregistered_model_raise_no_model() {
         "{m}"
     );
 }
+
+/// A remote-mode filter asks `/query` per request and reports no `no_model` counts of its
+/// own: the collector counts the unknown model from the `/query` call itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_for_an_unregistered_model_raises_no_model() {
+    let (c, _, _) = silent_worker(&[]).await;
+    let query = |model: &str, body: Value| {
+        let mut body = body;
+        body["model_name"] = json!(model);
+        c.http.post(format!("{}/query", c.url)).json(&body).send()
+    };
+    // A known model, and a request that fails for another reason: no alarm.
+    let r = query("m", json!({"token_ids": [1, 2, 3, 4]}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = query("alias", json!({"token_ids": "x"})).await.unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let (_, h) = health(&c).await;
+    assert_eq!(h["status"], "ok", "{h}");
+    // Token ids for a model nobody registered: 404 as before, and the alarm names it.
+    let r = query("alias", json!({"token_ids": [1, 2, 3, 4]}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    let (s, h) = health(&c).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(h["status"], "degraded", "{h}");
+    assert_eq!(h["alarms"][0]["alarm"], "no_model", "{h}");
+    assert_eq!(h["alarms"][0]["subject"], "alias");
+    let reason = h["reasons"][0].as_str().unwrap();
+    assert!(reason.contains("/query"), "the source is named: {reason}");
+    let m = c.metrics().await;
+    assert_eq!(
+        counter(&m, "kvroute_alarm{alarm=\"no_model\",subject=\"alias\"}"),
+        1.0,
+        "{m}"
+    );
+}

@@ -155,6 +155,64 @@ async fn cold_prompts_under_defer_and_unknown_models_say_so() {
 }
 
 #[tokio::test]
+async fn ties_are_listed_and_a_gateway_s_replica_share_breaks_them() {
+    let (state, a) = fleet().await;
+    let cold: Vec<u32> = (100..116).collect();
+    let ask = |extra: Value| {
+        let mut body = json!({"token_ids": cold, "model": "m"});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let state = state.clone();
+        async move { post(&state, "/v1/explain", body).await.1 }
+    };
+    // Both idle and cold: 4 blocks each, an exact tie the filter breaks with its own seed.
+    let e = ask(json!({})).await;
+    let (w, tied) = (e["winner"]["instance_id"].clone(), e["tied"].clone());
+    assert_eq!(e["replica"], "0/1");
+    assert!(
+        (w == "a" && tied == json!(["b"])) || (w == "b" && tied == json!(["a"])),
+        "{e}"
+    );
+    // Gateway gw-1 reports: gw-0 and gw-2 (asking as themselves) are replicas 0/2 and 1/2,
+    // and each prefers its share of the idle instances (a is the first, b the second): no
+    // tie left. gw-1 alone is 0/1.
+    let (_, feed) =
+        crate::http::call(&state, axum::http::Method::GET, "/v1/feed", None, None).await;
+    let epoch = kvroute::feed::Page::decode(&feed).unwrap().epoch;
+    let (s, _) = post(
+        &state,
+        "/v1/load",
+        json!({"gateway": "gw-1", "epoch": epoch, "workers": [{"worker": a, "requests": 0}]}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    for (gateway, replica, winner) in [("gw-0", "0/2", "a"), ("gw-2", "1/2", "b")] {
+        let e = ask(json!({"gateway": gateway})).await;
+        assert_eq!(e["replica"], replica, "{e}");
+        assert_eq!(e["winner"]["instance_id"], winner, "{e}");
+        assert_eq!(e["tied"], json!([]), "{e}");
+    }
+    assert_eq!(ask(json!({"gateway": "gw-1"})).await["replica"], "0/1");
+    // Affinity off: the exact tie again.
+    let e = ask(json!({"gateway": "gw-2", "policy": {"replica_tie_band": 0}})).await;
+    assert_eq!(e["tied"].as_array().map(Vec::len), Some(1), "{e}");
+    // A hit is no tie: a holds 3 of the 4 blocks of 1..=16.
+    let e = post(
+        &state,
+        "/v1/explain",
+        json!({"token_ids": (1..=16).collect::<Vec<u32>>(), "model": "m", "gateway": "gw-2"}),
+    )
+    .await
+    .1;
+    assert_eq!(
+        (e["winner"]["instance_id"].clone(), e["tied"].clone()),
+        (json!("a"), json!([])),
+        "{e}"
+    );
+}
+
+#[tokio::test]
 async fn bad_input_is_a_json_4xx_and_changes_nothing() {
     let (state, _) = fleet().await;
     let before = state.read().worker_views().len();
@@ -184,6 +242,11 @@ async fn bad_input_is_a_json_4xx_and_changes_nothing() {
             json!({"token_ids": [1], "model": "m", "policy": {"colder": 1}}).to_string(),
             StatusCode::BAD_REQUEST,
             "colder",
+        ),
+        (
+            json!({"token_ids": [1], "model": "m", "gateway": ""}).to_string(),
+            StatusCode::BAD_REQUEST,
+            "gateway",
         ),
         (
             json!({"token_ids": [-1], "model": "m"}).to_string(),

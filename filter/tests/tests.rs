@@ -8,6 +8,9 @@ mod artifacts;
 mod bad_input;
 /// The module, a gateway, a fake collector.
 mod common;
+/// `/v1/explain` decides as the filter does (a property over random fleets); remote mode's
+/// unknown models reach the `no_model` alarm.
+mod explain;
 /// The feed moving to the next collector when the one it pulls from fails.
 mod failover;
 /// The shared-data keyspace stays fixed while a million blocks churn.
