@@ -3,10 +3,11 @@
 //! them) with optional `policy` knobs (`kvroute::router::PolicyConfig`, the filter's defaults
 //! when absent) and an optional `gateway` (the id a filter reports its load under: the
 //! decision then takes that gateway's replica place, as its feed tells it). The answer lays
-//! out the scope and block size used, every instance registered for the request's model with
-//! its matched tokens per tier, the fleet's load on it and its engine's last sample (with its
-//! age), whether it is saturated and whether it competes, its cost, the winner, the runner-up
-//! and the instances tied with the winner.
+//! out the scope and block size used, the prompt's block hashes, the gateways' reports the load
+//! sums (with their ages), every instance registered for the request's model with its matched
+//! tokens per tier, the fleet's load on it and its engine's last sample (with its age), whether
+//! it is saturated and whether it competes, its cost and the terms of it, the winner, the
+//! runner-up and the instances tied with the winner.
 //!
 //! The decision is the local-mode filter's, not an approximation of it: the same roster (live
 //! workers grouped by instance, in worker-slot order, so the replica shares match), each
@@ -82,6 +83,12 @@ pub struct Explanation {
     pub block_size: u32,
     pub query_tokens: u64,
     pub query_blocks: u32,
+    /// The prompt's chained block hashes, the index's keys (`/query_by_hash`'s `seq_hashes`).
+    #[serde(default)]
+    pub seq_hashes: Vec<u64>,
+    /// The live gateways whose last reports the load below sums, and how old each report is.
+    #[serde(default)]
+    pub reports: Vec<ReportAge>,
     /// `route` (a winner), `deferred` (cold, and the policy leaves it to the gateway) or
     /// `no_match` (no instance serves the model).
     pub verdict: String,
@@ -103,6 +110,27 @@ pub struct Explanation {
     /// (`text_approximate`, `gateway_mismatch`, `gateway_stale`), each with its likely causes.
     #[serde(default)]
     pub likely_causes: Vec<AlarmExplained>,
+}
+
+/// A gateway's last load report and its age.
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+pub struct ReportAge {
+    pub gateway: String,
+    pub age_ms: u64,
+}
+
+/// A competing instance's cost in its terms: `overlap × (queued_blocks + uncached_blocks) +
+/// request × requests`, where `uncached_blocks` is the query's blocks less `credit_blocks`
+/// (its match weighted by tier) and `guarded` says the hot-spot guard took the credit away.
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+pub struct CostTerms {
+    pub credit_blocks: f64,
+    pub uncached_blocks: f64,
+    pub queued_blocks: f64,
+    pub requests: u32,
+    pub overlap_weight: f64,
+    pub request_weight: f64,
+    pub guarded: bool,
 }
 
 /// One raised alarm as `/v1/explain` shows it.
@@ -146,6 +174,9 @@ pub struct InstanceExplained {
     pub competes: bool,
     /// Its cost in blocks of prefill work ahead (`null`: it did not compete).
     pub cost: Option<f64>,
+    /// What the cost is made of (`null`: it did not compete).
+    #[serde(default)]
+    pub terms: Option<CostTerms>,
 }
 
 /// An engine sample and how old it is; stale ones do not count in the decision.
@@ -215,6 +246,14 @@ pub async fn explain(
             Replica::new(u32::try_from(index).ok()?, u32::try_from(count).ok()?)
         })
         .unwrap_or_default();
+    let reports = fleet
+        .gateway_ages(now)
+        .into_iter()
+        .map(|(g, age)| ReportAge {
+            gateway: g.as_str().to_owned(),
+            age_ms: age.as_millis().min(u64::MAX.into()) as u64,
+        })
+        .collect();
     drop(fleet);
     let policy = router::Policy { replica, ..base };
     let hub = state.read();
@@ -235,7 +274,8 @@ pub async fn explain(
     let seqs = hash::sequence_hashes(&tokens, block_size as usize, scope.seed())
         .map_err(|e| HubError::BadRequest(e.to_string()))?;
     let id = scope.id();
-    let keys: Vec<BlockKey> = seqs.into_iter().map(|s| id.key(s)).collect();
+    let keys: Vec<BlockKey> = seqs.iter().map(|s| id.key(*s)).collect();
+    let seq_hashes = seqs.into_iter().map(|s| s.0).collect();
     let matches = hub.index.lookup(&keys);
     let model = scope.model_key();
     let roster = Roster::from_meta(&meta_of(&hub));
@@ -266,6 +306,15 @@ pub async fn explain(
     // The filter's seed is its own; ties here break by a fixed one (`tied` lists the rest).
     let decision = router::decide(&contenders, query, &policy, &mut SplitMix64(0));
     let costs = router::costs(&contenders, query, &policy);
+    // The hot-spot guard's reference, as `decide` takes it: the least queue among the
+    // competing.
+    let least_queue = contenders
+        .iter()
+        .zip(&costs)
+        .filter(|(_, c)| c.is_some())
+        .map(|(c, _)| c.load.prefill_tokens)
+        .min()
+        .unwrap_or(0);
     let pick = |i: Option<usize>, cost: Option<f64>| -> Option<Pick> {
         let inst = roster.instances.get(i?)?;
         Some(Pick {
@@ -320,6 +369,7 @@ pub async fn explain(
                 saturated: policy.saturated(&c.load),
                 competes: cost.is_some(),
                 cost: *cost,
+                terms: cost.map(|_| terms(c, query, &policy, least_queue)),
             }
         })
         .collect();
@@ -336,6 +386,8 @@ pub async fn explain(
         block_size,
         query_tokens: tokens.len() as u64,
         query_blocks: query.blocks,
+        seq_hashes,
+        reports,
         verdict: verdict.to_owned(),
         winner,
         runner_up,
@@ -345,6 +397,28 @@ pub async fn explain(
         likely_causes,
     })
     .into_response())
+}
+
+/// `c`'s cost taken apart as `router::decide` adds it up (`select::cost`).
+fn terms(c: &Contender, query: Query, policy: &router::Policy, least_queue: u64) -> CostTerms {
+    let w = &policy.weights;
+    let guarded = policy
+        .max_hit_queue_tokens
+        .is_some_and(|m| c.load.prefill_tokens.saturating_sub(least_queue) > m);
+    let credit = if guarded {
+        0.0
+    } else {
+        kvroute::select::credit(c.matched, w)
+    };
+    CostTerms {
+        credit_blocks: credit,
+        uncached_blocks: (f64::from(query.blocks) - credit).max(0.0),
+        queued_blocks: c.load.prefill_tokens as f64 / f64::from(query.block_size.max(1)),
+        requests: c.load.requests,
+        overlap_weight: w.overlap,
+        request_weight: w.request,
+        guarded,
+    }
 }
 
 /// The mirror's view of the registry, as the feed's `Worker` ops build it in a filter: slot =

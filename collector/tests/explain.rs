@@ -108,6 +108,44 @@ async fn the_hit_wins_until_its_queue_costs_more_than_the_miss() {
         (json!(2), json!(40))
     );
     assert_eq!(row["competes"], true);
+    // The terms: 1 × (10 queued + (4 − 3 credited) uncached) + 1 × 2 requests = 13.
+    assert_eq!(
+        row["terms"],
+        json!({"credit_blocks": 3.0, "uncached_blocks": 1.0, "queued_blocks": 10.0,
+               "requests": 2, "overlap_weight": 1.0, "request_weight": 1.0, "guarded": false}),
+        "{e}"
+    );
+    assert_eq!(e["reports"][0]["gateway"], "gw", "{e}");
+    assert!(e["reports"][0]["age_ms"].as_u64().unwrap() < 5_000, "{e}");
+    // The block hashes are the index's keys: /query_by_hash finds a's 3 blocks by them.
+    let seq = e["seq_hashes"].as_array().unwrap().clone();
+    assert_eq!(seq.len(), 4);
+    let (s, q) = post(
+        &state,
+        "/query_by_hash",
+        json!({"seq_hashes": seq, "model_name": "m"}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{q}");
+    assert_eq!(q["instances"]["a"]["longest_matched"], 12, "{q}");
+    // A guard of 30 tokens: a's queue is 40 over b's empty one, so its hit earns nothing:
+    // 10 + 4 + 2 = 16.
+    let (_, e) = post(
+        &state,
+        "/v1/explain",
+        json!({"token_ids": prompt, "model": "m", "policy": {"max_hit_queue_tokens": 30}}),
+    )
+    .await;
+    let row = instance(&e, "a");
+    assert_eq!(
+        (
+            row["cost"].clone(),
+            row["terms"]["guarded"].clone(),
+            row["terms"]["credit_blocks"].clone()
+        ),
+        (json!(16.0), json!(true), json!(0.0)),
+        "{e}"
+    );
 
     // The same request under other knobs: cost = overlap × (queued + uncached blocks)
     // + request × in flight; with 0.1 and 0: a 0.1 × (10 + 1) = 1.1, b 0.1 × 4 = 0.4.

@@ -433,6 +433,21 @@ fn check(gw: &mut Gateway, c: &Collector, rt: &Runtime, f: &Fleet, prompt: &[u32
         }
         _ => assert!(others.is_empty(), "a runner-up was there: {ctx}"),
     }
+    // Every competing instance's terms add up to its cost.
+    for r in e["instances"].as_array().into_iter().flatten() {
+        if r["competes"] != true {
+            continue;
+        }
+        let t = &r["terms"];
+        let sum = cost(&t["overlap_weight"])
+            * (cost(&t["queued_blocks"]) + cost(&t["uncached_blocks"]))
+            + cost(&t["request_weight"]) * cost(&t["requests"]);
+        assert!(
+            (sum - cost(&r["cost"])).abs() < 1e-9,
+            "terms of {}: {ctx}",
+            r["instance_id"]
+        );
+    }
     // What the winner holds, and the rank that holds it.
     let blocks = w["matched_blocks"][2].as_u64().expect("blocks");
     let matched = (blocks * u64::from(BS)).min(prompt.len() as u64);
