@@ -19,6 +19,9 @@
 //! and the speculative holders of its recent decisions. With those equal (one request at a
 //! time, speculative entries off or expired) the filter's choice is the winner or one of
 //! `tied`, at the costs listed here (`filter/tests/explain.rs` checks it on random fleets).
+//! A remote-mode gateway differs by design: it decides on its own books alone (the fleet's
+//! per-worker totals do not name its per-instance entries) and folds ranks by matched tokens
+//! (`RankRule::MostTokens`); this is the local mode's decision, the default one.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
