@@ -12,6 +12,10 @@
 //! id, so other gateways' reports (which make the filter one replica of several) are in play.
 //! Ties: the filter breaks them with its own seed, so its winner must be the explainer's or one
 //! of those it lists as `tied`, at the same cost.
+//!
+//! A seeded loop rather than proptest: each case is a live collector and a synced gateway,
+//! which shrinking would rebuild hundreds of times. A failure names its seed and case;
+//! `KVROUTE_EXPLAIN_SEED=<n>` replays another sequence.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -193,8 +197,8 @@ struct Fleet {
     policy: Value,
 }
 
-/// Registers 2–6 instances of `m` (one or two dp ranks, registered in either order) and at
-/// times one of another model, stores random prefixes of shared documents on their workers
+/// Registers 2–6 instances (one or two dp ranks, registered in either order; at times one of
+/// them of another model), stores random prefixes of shared documents on their workers
 /// (some on the CPU tier), and loads the fleet: other gateways' reports and engine samples,
 /// fresh or stale.
 fn random_fleet(rt: &Runtime, c: &Collector, rng: &mut SplitMix64, case: u64) -> Fleet {
