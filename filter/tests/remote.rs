@@ -80,6 +80,17 @@ fn collector_errors_fail_open() {
     );
     let o = complete(&mut gw, "m", &tokens(0, 64));
     assert_fail_open(&gw, &o, "collector_error", 0);
+    // A model no engine is registered for (the collector's 404): no_match, as in local mode,
+    // not a collector failure.
+    let mut gw = gateway(&remote_config(), 1);
+    gw.cluster(CLUSTER, |_| {
+        CalloutReply::Response(
+            Response::new(404).body(r#"{"error":"no instance registered for model m"}"#),
+        )
+    });
+    let o = complete(&mut gw, "m", &tokens(0, 64));
+    assert_fail_open(&gw, &o, "no_match", 0);
+    assert_eq!(count(&gw, "collector_error"), 0);
     // Nothing matched anywhere: no_match.
     let mut gw = gateway(&remote_config(), 1);
     gw.cluster(CLUSTER, |_| {

@@ -60,6 +60,15 @@ impl Http {
     ) {
         match query_answer(num_headers, body_size) {
             Ok(resp) => self.route_answer(vm, cfg, &resp),
+            // `/query` answers 404 for a model no engine is registered for: what the local
+            // mode counts as `no_match` with the name noted for the `no_model` alarm, not a
+            // collector failure.
+            Err(Some(404)) => {
+                if let Res::Done(Some(served)) = &self.model {
+                    crate::report::note_no_model(served);
+                }
+                self.finish(vm, Outcome::NoMatch);
+            }
             Err(status) => {
                 log::debug!("kvroute[{}]: /query failed (status {status:?})", self.id);
                 self.finish(vm, Outcome::CollectorError);
