@@ -254,14 +254,15 @@ def test_engines_listed(page: Page, stack: UiStack) -> None:
 
 
 def banner(page: Page) -> list[tuple[str, str]]:
-    """The alarm banner's lines: ("alarm:<kind>" or "problem", text); empty when hidden."""
-    if not page.page.locator("#alarms").is_visible():
-        return []
-    out = []
-    for li in page.page.locator("#alarm-list li").all():
-        kind = li.get_attribute("data-alarm")
-        out.append((f"alarm:{kind}" if kind is not None else "problem", li.inner_text()))
-    return out
+    """The alarm banner's lines: ("alarm:<kind>" or "problem", text); empty when hidden. Read
+    in one evaluation: the page replaces the lines at every refresh."""
+    lines = page.page.evaluate("""() => {
+        if (document.getElementById("alarms").hidden) return [];
+        return [...document.querySelectorAll("#alarm-list li")].map((li) =>
+            [li.dataset.alarm !== undefined ? "alarm:" + li.dataset.alarm : "problem",
+             li.textContent]);
+    }""")
+    return [(k, t) for k, t in lines]
 
 
 def test_degraded_banner(page: Page, stack: UiStack) -> None:
