@@ -620,7 +620,8 @@ class Chaos:
                 e.detail["caught_up_s"] = round(self.now() - e.t, 2)
                 return
             time.sleep(0.25)
-        e.detail["caught_up_s"] = None
+        if not self.stop_flag.is_set():
+            e.detail["caught_up_s"] = None  # not within limit_s (cut short by the end: absent)
 
     def _engines(self) -> None:
         for _ in self._ticks(self.engine_every):
