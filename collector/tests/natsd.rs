@@ -17,7 +17,13 @@ use super::common::{self, DEADLINE};
 pub const STREAM: &str = "KVROUTE_EVENTS";
 
 /// `nats-server`, from PATH or Debian's /usr/sbin, installed by the project's script if absent.
+/// Once per test binary: its tests start servers in parallel and apt-get takes one at a time.
 fn nats_server_bin() -> PathBuf {
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(find_or_install).clone()
+}
+
+fn find_or_install() -> PathBuf {
     for p in ["/usr/sbin/nats-server", "/usr/bin/nats-server"] {
         if Path::new(p).exists() {
             return p.into();
@@ -52,6 +58,19 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// True when a NATS server answers on `port` with its `INFO` line.
+async fn greets(port: u16) -> bool {
+    use tokio::io::AsyncReadExt;
+    let Ok(mut tcp) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    let mut head = [0u8; 5];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), tcp.read_exact(&mut head)).await,
+        Ok(Ok(_))
+    ) && &head == b"INFO "
+}
+
 /// One `nats-server -js` on loopback, its store in a temp dir; killed on drop.
 pub struct Nats {
     pub port: u16,
@@ -65,13 +84,15 @@ impl Nats {
     }
 
     pub async fn start() -> Nats {
-        let mut n = Nats {
-            port: free_port(),
-            dir: tempfile::tempdir().expect("temp dir"),
-            child: None,
-        };
-        n.up().await;
-        n
+        // A port picked by binding and dropping can be taken again before the server binds it
+        // (another test's listener, another server): a server that exits at start gets a new port.
+        for _ in 0..5 {
+            let mut n = Nats::later();
+            if n.try_up().await {
+                return n;
+            }
+        }
+        panic!("nats-server did not start on five free ports");
     }
 
     /// A server that is not started yet, on a port reserved for it.
@@ -85,6 +106,16 @@ impl Nats {
 
     /// Starts (again) on the same port and store.
     pub async fn up(&mut self) {
+        assert!(
+            self.try_up().await,
+            "nats-server exited at start (port {} taken?)",
+            self.port
+        );
+    }
+
+    /// Starts the server and waits for its protocol greeting (`INFO`) on the port: a bare TCP
+    /// accept is not enough, the port may be someone else's. False when the server exited.
+    async fn try_up(&mut self) -> bool {
         let conf = self.dir.path().join("nats.conf");
         std::fs::write(
             &conf,
@@ -105,11 +136,14 @@ impl Nats {
         self.child = Some(child);
         let until = tokio::time::Instant::now() + DEADLINE;
         loop {
-            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-                .await
-                .is_ok()
-            {
-                return;
+            if let Some(c) = self.child.as_mut() {
+                if matches!(c.try_wait(), Ok(Some(_))) {
+                    self.child = None;
+                    return false;
+                }
+            }
+            if greets(self.port).await {
+                return true;
             }
             assert!(
                 tokio::time::Instant::now() < until,
