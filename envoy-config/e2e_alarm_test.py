@@ -42,7 +42,8 @@ RAISE_WITHIN_S = 60.0
 HEALTHY_RUN_S = float(__import__("os").environ.get("KVROUTE_ALARM_SOAK_S", "40"))
 # Short windows so that a minute is enough; the volume floor stays well above a trickle.
 COLLECTOR_ARGS = ["--alarm-silent-secs", "8", "--truth-window-secs", "30",
-                  "--hash-mismatch-min-tokens", "3000", "--scrape-interval-secs", "0.25"]
+                  "--hash-mismatch-min-tokens", "3000", "--hash-mismatch-hold-secs", "5",
+                  "--scrape-interval-secs", "0.25"]
 # Speculative holders off: within their time-to-live the filter's own memory of where it sent
 # a prompt routes (and predicts) its repeats right whatever the tokenizer, which would hide
 # the template fault for that long; the index alone is under test.

@@ -756,6 +756,7 @@ mod tests {
                 engine_tokens: Some(engine),
                 engine_block_size: engine_bs,
                 prefix_caching: Some(true),
+                held: Duration::from_secs(3600),
             },
         }
     }

@@ -166,6 +166,9 @@ pub struct Cli {
     /// ... and the larger of the two reached this many tokens within the window [default: 4096].
     #[arg(long, value_name = "TOKENS")]
     pub hash_mismatch_min_tokens: Option<u64>,
+    /// ... and all that held for this long: longer than a request takes from its gateway's report to its engine's next scrape, seconds [default: 15].
+    #[arg(long, value_name = "SECS")]
+    pub hash_mismatch_hold_secs: Option<f64>,
     /// Alarm `gateway_stale` when a gateway that reported stops for this long, or reports a feed lag this long, seconds [default: 30].
     #[arg(long, value_name = "SECS")]
     pub alarm_gateway_stale_secs: Option<f64>,
@@ -235,6 +238,7 @@ pub struct FileConfig {
     pub truth_window_secs: Option<f64>,
     pub hash_mismatch_factor: Option<f64>,
     pub hash_mismatch_min_tokens: Option<u64>,
+    pub hash_mismatch_hold_secs: Option<f64>,
     pub alarm_gateway_stale_secs: Option<f64>,
     pub max_metrics_bytes: Option<usize>,
     #[serde(default, alias = "tokenizers")]
@@ -688,6 +692,12 @@ impl Cli {
                     .hash_mismatch_min_tokens
                     .or(file.hash_mismatch_min_tokens)
                     .unwrap_or(d.truth.min_tokens),
+                hold: secs(
+                    "hash-mismatch-hold-secs",
+                    self.hash_mismatch_hold_secs
+                        .or(file.hash_mismatch_hold_secs),
+                    d.truth.hold,
+                )?,
             },
             alarm_gateway_stale: positive_secs(
                 "alarm-gateway-stale-secs",

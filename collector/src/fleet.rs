@@ -89,6 +89,10 @@ pub struct LoadReport {
     /// Optional: the filter's text counters, cumulative (`text_approximate`).
     #[serde(default)]
     pub text: Option<crate::alarm::TextCounts>,
+    /// Set on a report another collector relayed: the feed epoch its counters were counted in
+    /// (that collector's). Never read from a request body.
+    #[serde(skip)]
+    pub relayed_epoch: Option<u64>,
 }
 
 /// One worker's entry of a [`LoadReport`]; a missing count is 0.
@@ -331,7 +335,11 @@ impl Fleet {
                 max: self.config.max_gateways,
             });
         }
-        self.truth.note_report(id.as_str(), &truth, now);
+        let source = match report.relayed_epoch {
+            Some(epoch) => crate::truth::Source { epoch, own: false },
+            None => crate::truth::Source { epoch, own: true },
+        };
+        self.truth.note_report(id.as_str(), source, &truth, now);
         self.gateways.insert(id, GatewayLoad { at: now, loads });
         Ok(())
     }
@@ -506,6 +514,7 @@ mod tests {
             contract: None,
             feed_lag_ms: None,
             text: None,
+            relayed_epoch: None,
         }
     }
 

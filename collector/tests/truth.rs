@@ -87,6 +87,8 @@ async fn engine_reusing_what_kvroute_did_not_predict_raises_hash_mismatch() {
         "0.05",
         "--hash-mismatch-min-tokens",
         "1000",
+        "--hash-mismatch-hold-secs",
+        "1",
     ])
     .await;
     // Engine a: kvroute predicts almost nothing of what it reuses. Engine b: they agree.

@@ -31,6 +31,10 @@ struct LoadMessage {
     /// The sending collector ([`Bus::origin`]).
     origin: u64,
     gateway: String,
+    /// The sender's feed epoch, the one the gateway's cumulative counters were counted in
+    /// (absent from older senders).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    epoch: Option<u64>,
     workers: Vec<LoadEntry>,
 }
 
@@ -72,6 +76,7 @@ pub fn fan_out(shared: &Shared, report: &LoadReport, table: &[(WorkerId, String,
     let msg = LoadMessage {
         origin: bus.origin(),
         gateway: report.gateway.clone(),
+        epoch: Some(report.epoch),
         workers,
     };
     match serde_json::to_vec(&msg) {
@@ -121,7 +126,7 @@ fn apply(shared: &Shared, bus: &Bus, payload: &[u8]) {
         })
         .collect();
     drop(hub);
-    let report: LoadReport = match serde_json::from_value(serde_json::json!({
+    let mut report: LoadReport = match serde_json::from_value(serde_json::json!({
         "gateway": msg.gateway,
         "epoch": epoch,
         "workers": workers,
@@ -132,6 +137,8 @@ fn apply(shared: &Shared, bus: &Bus, payload: &[u8]) {
             return;
         }
     };
+    // The origin counted in its own epoch; without one, a run this collector cannot place.
+    report.relayed_epoch = Some(msg.epoch.unwrap_or(msg.origin));
     let is_worker = |id: WorkerId| shared.read().worker(id).is_some();
     match fleet.report(&report, epoch, is_worker, known, now) {
         Ok(()) => count(&shared.metrics, "in", "load_applied"),
