@@ -245,8 +245,12 @@ class Fleet:
 
     # ---- views --------------------------------------------------------------------------
     def workers(self, c: Collector) -> dict[str, int]:
+        """Blocks per worker in `c`'s index. An ingest collector's: only the engines it reads
+        (the ingest processes split the engines; the others are registered there, empty)."""
         ws = K.http("GET", c.url + "/workers", timeout=10).json()
         ws = ws.get("workers", ws) if isinstance(ws, dict) else ws
+        if c.role == "ingest":
+            ws = [w for w in ws if w.get("connected")]
         return {f"{w['instance_id']}/{w.get('dp_rank', 0)}": int(w.get("blocks", 0)) for w in ws}
 
     def bus_metrics(self, c: Collector) -> dict[str, float]:
@@ -1165,7 +1169,7 @@ def main() -> int:
         "collector_metrics_at_end": bus_metrics,
         "rss_growth_last_half": growth,
         # An ingest collector started with half the engines' --worker flags: how many engine
-        # streams it holds at the end (the registry stream hands it the other half's too).
+        # streams it reads at the end (the ingest processes split the engines between them).
         "ingest_connected_engines": {c.name: health[c.name].get("connected")
                                      for c in fleet.ingests},
         "targets": targets,

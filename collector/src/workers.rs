@@ -108,6 +108,16 @@ impl Shared {
         if self.bus.as_ref().is_some_and(|b| !b.config.role.ingests()) {
             return;
         }
+        // Among several ingest processes, only the engine's owner reads it.
+        if let Some(bus) = self.bus.as_ref().filter(|b| crate::bus::owners::splits(b)) {
+            let key = self
+                .read()
+                .worker(id)
+                .map(|w| crate::bus::handle::worker_key(&w.reg.instance_id, w.dp_rank()));
+            if !key.is_some_and(|k| bus.ownership.owns(&k)) {
+                return;
+            }
+        }
         let Some(sub) = zmq::Subscriber::new(self.clone(), id, last_seq) else {
             return;
         };
@@ -120,6 +130,33 @@ impl Shared {
         {
             old.abort();
         }
+    }
+
+    /// Whether `id`'s subscriber runs.
+    pub fn reads(&self, id: WorkerId) -> bool {
+        self.subscribers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .is_some_and(|t| !t.is_finished())
+    }
+
+    /// Stops `id`'s subscriber (another process reads the engine now) and drops what it
+    /// applied here: this process's index holds the engines it reads, no stale rest.
+    pub(crate) fn stop_subscriber(&self, id: WorkerId) {
+        if let Some(task) = self
+            .subscribers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id)
+        {
+            task.abort();
+        }
+        let mut hub = self.write();
+        hub.set_connected(id, false);
+        hub.clear_blocks(id);
+        drop(hub);
+        self.notify();
     }
 
     /// Stops every subscriber.

@@ -197,6 +197,124 @@ async fn index_replicas_agree_with_each_other_and_with_direct_zmq() {
     }
 }
 
+/// Which of `ingests` reads `instance`'s engine (by index), once each reads what it owns.
+fn readers(ingests: &[&Collector], instance: &str) -> Vec<usize> {
+    ingests
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| {
+            let id = c
+                .state
+                .read()
+                .workers()
+                .find(|w| w.reg.instance_id == instance)
+                .map(|w| w.id);
+            id.is_some_and(|id| c.state.reads(id))
+        })
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// Waits until every engine of `names` is read by its rendezvous owner among `ingests` and by
+/// no other ingest process.
+async fn split_settles(ingests: &[&Collector], names: &[String]) {
+    let origins: Vec<u64> = ingests
+        .iter()
+        .map(|c| c.state.bus.as_ref().unwrap().origin())
+        .collect();
+    let until = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let now: Vec<(String, Vec<usize>, usize)> = names
+            .iter()
+            .map(|n| {
+                let key = kvroute_collector::bus::worker_key(n, 0);
+                let owner = kvroute_collector::bus::owners::owner(&origins, &key).unwrap();
+                let at = origins.iter().position(|o| *o == owner).unwrap();
+                (n.clone(), readers(ingests, n), at)
+            })
+            .collect();
+        if now.iter().all(|(_, r, at)| r == &[*at]) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "engines not split one reader each: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Two ingest processes split six engines, one reader each: every batch reaches the stream
+/// once (the replica sees no second copy) and the replica equals a direct collector. One
+/// ingest process stops: the other takes its engines from the stream's last batch of each,
+/// and what the engines publish next reaches the replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingest_processes_split_the_engines_and_take_over_a_stopped_ones() {
+    let nats = Nats::start().await;
+    let url = nats.url();
+    let i1 = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
+    let i2 = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
+    let direct = Collector::start(config(None)).await;
+    let r1 = Collector::start(config(Some(bus(&url, Role::Index, "r1")))).await;
+    let names: Vec<String> = (0..6).map(|i| format!("e{i}")).collect();
+    let mut engines = Vec::new();
+    for _ in &names {
+        engines.push(publisher(EventFormat::Vllm033, ReplayShape::New).await);
+    }
+    let pairs: Vec<(&str, &Publisher)> = names.iter().map(|n| n.as_str()).zip(&engines).collect();
+    register(&i1.state, &pairs);
+    register(&direct.state, &pairs);
+    registered(&i2.state, 6).await;
+    registered(&r1.state, 6).await;
+    split_settles(&[&i1, &i2], &names).await;
+    let round = |engines: &[Publisher], round: u32| -> Vec<Vec<u32>> {
+        let mut prompts = Vec::new();
+        for (i, e) in engines.iter().enumerate() {
+            for j in 0..4u32 {
+                let base = round * 100_000 + (i as u32) * 1000 + j * 100;
+                let t = tokens(base + 1, 16);
+                e.publish_events(&[stored(None, u64::from(base) * 10 + 1, &t, 4)]);
+                prompts.push(t);
+            }
+        }
+        prompts
+    };
+    let mut prompts = round(&engines, 0);
+    for (k, n) in names.iter().enumerate() {
+        let last = prompts[k * 4 + 3].clone();
+        until(&direct.state, &mut engines[k], |h| {
+            common::longest(h, &last, M, None, n) == 16
+        })
+        .await;
+        until(&r1.state, &mut engines[k], |h| {
+            common::longest(h, &last, M, None, n) == 16
+        })
+        .await;
+    }
+    converge(&r1.state, &direct.state, &prompts).await;
+    assert_eq!(
+        r1.bus_count("in", "duplicate"),
+        0,
+        "a batch reached the stream twice"
+    );
+    assert!(i1.bus_count("out", "published") > 0 && i2.bus_count("out", "published") > 0);
+    // i1 stops: i2 reads all six once i1's membership has lapsed.
+    i1.stop().await;
+    split_settles(&[&i2], &names).await;
+    prompts.extend(round(&engines, 1));
+    for (k, n) in names.iter().enumerate() {
+        let last = prompts[24 + k * 4 + 3].clone();
+        until(&r1.state, &mut engines[k], |h| {
+            common::longest(h, &last, M, None, n) == 16
+        })
+        .await;
+    }
+    converge(&r1.state, &direct.state, &prompts).await;
+    for c in [r1, i2, direct] {
+        c.stop().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_index_replica_resumes_from_its_durable_consumer() {
     let nats = Nats::start().await;
@@ -255,6 +373,15 @@ async fn bad_input_on_the_bus_is_counted_and_skipped() {
     })
     .await;
     converge(&r.state, &ingest.state, std::slice::from_ref(&t)).await;
+    // a's next sequence number (a slow start may have nudged a with empty batches).
+    let next = ingest
+        .state
+        .read()
+        .workers()
+        .find(|w| w.reg.instance_id == "a")
+        .and_then(|w| w.status.last_seq)
+        .expect("a's last batch")
+        + 1;
 
     let client = async_nats::connect(&url).await.expect("connect");
     let js = async_nats::jetstream::new(client);
@@ -272,12 +399,19 @@ async fn bad_input_on_the_bus_is_counted_and_skipped() {
     // Not an envelope.
     publish(Bytes::from_static(b"\xc1garbage")).await;
     // An envelope whose batch is not msgpack (a's next sequence number).
-    publish(wire::encode(wire::Kind::Batch, 1, 0, "a", b"\xc1\xc1")).await;
+    publish(wire::encode(wire::Kind::Batch, next, 0, "a", b"\xc1\xc1")).await;
     // A worker nobody registered.
     publish(wire::encode(wire::Kind::Connected, 0, 0, "nobody", b"")).await;
     // Over this replica's limit (the stream takes it).
     let big_payload = vec![0u8; 8192];
-    publish(wire::encode(wire::Kind::Batch, 2, 0, "a", &big_payload)).await;
+    publish(wire::encode(
+        wire::Kind::Batch,
+        next + 1,
+        0,
+        "a",
+        &big_payload,
+    ))
+    .await;
     // A real batch of a, after a jump in its sequence numbers: counted as a gap, applied.
     let t2 = tokens(500, 8);
     let payload = kvroute_sim::wire::encode_events(

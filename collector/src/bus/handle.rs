@@ -93,6 +93,8 @@ pub struct Bus {
     load_rx: Mutex<Option<mpsc::Receiver<Bytes>>>,
     /// Tells this collector's own messages apart (several may share a process in tests).
     origin: u64,
+    /// Which engines this process reads, with other ingest processes ([`super::owners`]).
+    pub ownership: super::owners::Ownership,
 }
 
 impl Bus {
@@ -100,6 +102,7 @@ impl Bus {
         let (tx, rx) = mpsc::channel(config.outbox_batches);
         let (load, load_rx) = mpsc::channel(LOAD_QUEUE);
         static BUSES: AtomicU64 = AtomicU64::new(0);
+        let origin = process_nonce() ^ BUSES.fetch_add(1, Ordering::Relaxed);
         Arc::new(Bus {
             config,
             outbox: tx,
@@ -112,7 +115,8 @@ impl Bus {
             applied: AtomicU64::new(0),
             load,
             load_rx: Mutex::new(Some(load_rx)),
-            origin: process_nonce() ^ BUSES.fetch_add(1, Ordering::Relaxed),
+            origin,
+            ownership: super::owners::Ownership::new(origin),
         })
     }
 

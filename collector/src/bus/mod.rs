@@ -13,6 +13,9 @@
 //! - **both** (the default): ingest, serving from its own index (it is the source; it does not
 //!   read the stream back).
 //!
+//! Several ingest processes split the engines between them, one reader per engine
+//! ([`owners`]).
+//!
 //! Registrations reach every process through a second stream that keeps the last message per
 //! worker, as a KV bucket does ([`registry`]): a `/register` or `/unregister` on any
 //! collector is applied locally and published there by the publisher task in order with the
@@ -31,6 +34,7 @@ pub mod consume;
 pub mod dynamo;
 pub mod handle;
 pub mod load;
+pub mod owners;
 pub mod publish;
 pub mod registry;
 pub mod settings;

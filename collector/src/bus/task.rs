@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::handle::Bus;
-use super::{consume, dynamo, load, publish, registry};
+use super::{consume, dynamo, load, owners, publish, registry};
 use crate::shared::Shared;
 
 /// The bus tasks of one collector; aborted on drop of [`Tasks::stop`].
@@ -43,6 +43,14 @@ pub fn spawn(shared: &Arc<Shared>) -> Tasks {
         set.spawn(publish::run(shared.clone(), bus.clone(), js.clone()));
         set.spawn(registry::watch(shared.clone(), bus.clone(), js.clone()));
         set.spawn(load::run(shared.clone(), bus.clone(), client.clone()));
+        if owners::splits(&bus) {
+            set.spawn(owners::run(
+                shared.clone(),
+                bus.clone(),
+                client.clone(),
+                js.clone(),
+            ));
+        }
         if !bus.config.role.ingests() {
             set.spawn(consume::run(shared.clone(), bus.clone(), js.clone()));
         }
