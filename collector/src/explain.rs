@@ -34,7 +34,7 @@ use axum::Json;
 use bytes::Bytes;
 use kvroute::event::WorkerId;
 use kvroute::hash;
-use kvroute::mirror::{LoadId, Meta, WorkerSlot};
+use kvroute::mirror::{LoadId, Meta};
 use kvroute::router::{
     self, Contender, Counts, InstanceLoad, PolicyConfig, Query, Replica, Roster,
 };
@@ -424,25 +424,15 @@ fn terms(c: &Contender, query: Query, policy: &router::Policy, least_queue: u64)
     }
 }
 
-/// The mirror's view of the registry, as the feed's `Worker` ops build it in a filter: slot =
-/// worker id, live = routable.
+/// The mirror's view of the registry, built from the feed's own `Worker` ops (slot = worker
+/// id, live = routable) as a filter applies them.
 fn meta_of(hub: &Hub) -> Meta {
-    let mut meta = Meta::default();
-    for w in hub.workers() {
-        let slot = w.id.0 as usize;
-        if meta.workers.len() <= slot {
-            meta.workers.resize(slot + 1, None);
-        }
-        meta.workers[slot] = Some(WorkerSlot {
-            live: w.status.is_routable(),
-            dp_rank: w.dp_rank(),
-            instance_id: w.reg.instance_id.clone(),
-            address: w.address().to_owned(),
-            tenant: w.tenant().to_owned(),
-            model: w.reg.model_name.clone(),
-        });
-    }
-    meta
+    let ops: Vec<kvroute::feed::Op> = hub.workers().map(crate::hub::store::worker_op).collect();
+    let limits = kvroute::mirror::Limits {
+        max_workers: u32::MAX,
+        ..kvroute::mirror::Limits::default()
+    };
+    Meta::from_ops(&ops, &limits)
 }
 
 /// The contenders other than `best` that `router::decide` could have drawn in its place

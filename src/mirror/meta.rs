@@ -183,6 +183,18 @@ impl Meta {
         self.workers.get(slot as usize).and_then(Option::as_ref)
     }
 
+    /// Builds the metadata a filter holds after applying `ops` (non-block ops; block ops
+    /// are ignored) under `limits`: what a collector-side caller uses to see its registry as
+    /// the filters do.
+    pub fn from_ops<'a>(ops: impl IntoIterator<Item = &'a Op>, limits: &Limits) -> Meta {
+        let mut meta = Meta::default();
+        let mut stats = ApplyStats::default();
+        for op in ops {
+            meta.apply(op, limits, &mut stats);
+        }
+        meta
+    }
+
     /// Applies one non-block op. Returns whether anything changed.
     pub(super) fn apply(&mut self, op: &Op, limits: &Limits, stats: &mut ApplyStats) -> bool {
         match op {

@@ -13,7 +13,7 @@ pub mod ingest;
 pub mod persist;
 mod query;
 mod registry;
-mod store;
+pub(crate) mod store;
 pub mod types;
 
 pub use ingest::{IngestJob, IngestReport, EVENT_TYPES};
