@@ -62,6 +62,11 @@ impl Shared {
         }));
         let tokenizers = text::Tokenizers::new(&config.tokenizers, config.text_limits);
         let bus = config.nats.clone().map(crate::bus::handle::Bus::new);
+        if let (Some(bus), Some(dir)) = (&bus, &config.state_dir) {
+            // A process restarted on its state keeps its engines (and its snapshot of them).
+            bus.ownership
+                .set_member(crate::bus::owners::member_of_state_dir(dir));
+        }
         Arc::new(Shared {
             tokenizers,
             config,

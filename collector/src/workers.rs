@@ -155,6 +155,10 @@ impl Shared {
         let mut hub = self.write();
         hub.set_connected(id, false);
         hub.clear_blocks(id);
+        // Read again later, it starts from the stream's last batch, not from this one.
+        if let Some(w) = hub.worker_mut(id) {
+            w.status.last_seq = None;
+        }
         drop(hub);
         self.notify();
     }

@@ -17,6 +17,12 @@
 //! brings what came after), and the old one stops reading; a batch both published in that
 //! moment has the same engine sequence number and the index replicas skip the second copy.
 //!
+//! A member's id is its `--state-dir` (hashed) when it has one, so a process restarted on its
+//! state comes back to the engines its snapshot holds; without one, a fresh id per start. A
+//! new reader that read the engine before (its last batch known here, from the snapshot)
+//! starts from that batch instead, so the engine's replay buffer also fills its own index; the
+//! replicas skip what they already have by sequence number.
+//!
 //! Only `--nats-role ingest` takes part: a `both` process serves from its own index, so it
 //! reads every engine itself (one such process is the small-fleet set-up).
 
@@ -101,10 +107,16 @@ pub fn owner(live: &[u64], key: &str) -> Option<u64> {
         .max_by_key(|m| (xxh3_64_with_seed(key.as_bytes(), *m), std::cmp::Reverse(*m)))
 }
 
+/// The member id of a process with `--state-dir dir`.
+pub fn member_of_state_dir(dir: &std::path::Path) -> u64 {
+    let path = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    xxh3_64_with_seed(path.as_os_str().as_encoded_bytes(), 0x6b76_726f_7574_6531)
+}
+
 /// Who reads what, shared by the membership task and [`Shared::start_subscriber`].
 #[derive(Debug)]
 pub struct Ownership {
-    me: u64,
+    me: std::sync::atomic::AtomicU64,
     /// `None` until settled: nothing is claimed yet.
     live: std::sync::Mutex<Option<Vec<u64>>>,
 }
@@ -112,16 +124,26 @@ pub struct Ownership {
 impl Ownership {
     pub fn new(me: u64) -> Ownership {
         Ownership {
-            me,
+            me: std::sync::atomic::AtomicU64::new(me),
             live: std::sync::Mutex::new(None),
         }
+    }
+
+    /// This process's member id.
+    pub fn me(&self) -> u64 {
+        self.me.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets the member id (before the bus tasks start).
+    pub fn set_member(&self, me: u64) {
+        self.me.store(me, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether this process reads the engine with worker key `key` now.
     pub fn owns(&self, key: &str) -> bool {
         let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
         live.as_deref()
-            .is_some_and(|l| owner(l, key) == Some(self.me))
+            .is_some_and(|l| owner(l, key) == Some(self.me()))
     }
 
     /// The live members, once settled.
@@ -154,7 +176,7 @@ pub async fn run(
         return;
     }
     let subject = format!("{}.ingest.alive", bus.config.subject_prefix);
-    let me = bus.origin();
+    let me = bus.ownership.me();
     let mut members = Members::new(me, Instant::now());
     let mut backoff = Duration::from_millis(100);
     let mut beats = loop {
@@ -215,7 +237,12 @@ async fn reconcile(shared: &Arc<Shared>, bus: &Bus, js: &jetstream::Context) {
         let owned = bus.ownership.owns(&key);
         let reading = shared.reads(id);
         if owned && !reading {
-            let last = last_batch_seq(bus, js, &subject).await;
+            let here = shared.read().worker(id).and_then(|w| w.status.last_seq);
+            let stream = last_batch_seq(bus, js, &subject).await;
+            let last = match (here, stream) {
+                (Some(h), Some(s)) => Some(h.min(s)),
+                (h, s) => h.or(s),
+            };
             info!(worker = %key, from = ?last, "nats: this process now reads the engine");
             shared.start_subscriber(id, last);
         } else if !owned && reading {
