@@ -57,6 +57,7 @@ test: lint wasm
 	$(MAKE) check-rules
 	$(MAKE) test-rust
 	$(MAKE) test-e2e
+	$(MAKE) test-soak-ha
 	$(MAKE) test-js
 	$(MAKE) test-ui
 
