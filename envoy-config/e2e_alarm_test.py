@@ -88,9 +88,11 @@ class Traffic:
     """Request loops through Envoy until stopped; failures of single requests are counted,
     not raised (the faults make some fail open by design)."""
 
-    def __init__(self, stack: K.Stack, alias: bool):
+    def __init__(self, stack: K.Stack, alias: bool, urls: list[str] | None = None):
         self.s = stack
         self.alias = alias
+        # The gateways' kvroute listeners; each request goes through one picked at random.
+        self.urls = urls or [stack.kvroute_url]
         self.stop = threading.Event()
         self.sent = 0
         self.errors = 0
@@ -117,7 +119,7 @@ class Traffic:
 
     def _tokens(self, rng: random.Random):
         prompt = rng.choice(self.docs) + K.random_tokens(32, rng)
-        return self.s.completion(self.s.kvroute_url, prompt, max_tokens=100, timeout=30)
+        return self.s.completion(rng.choice(self.urls), prompt, max_tokens=100, timeout=30)
 
     def _chat(self, rng: random.Random):
         body = {"model": self.s.cfg.model, "max_tokens": 50,
@@ -128,7 +130,7 @@ class Traffic:
                               f"Question {rng.randrange(10**9)}: look up order "
                               f"{rng.randrange(10**9)} and invoice {rng.randrange(10**9)} "
                               f"in the ledger of {rng.randrange(10**9)}, then reply."}]}
-        return self.s.completion(self.s.kvroute_url, None, body=body,
+        return self.s.completion(rng.choice(self.urls), None, body=body,
                                  path="/v1/chat/completions", timeout=30)
 
     def _alias(self, rng: random.Random):
@@ -233,7 +235,11 @@ def test_healthy_fleet_raises_no_alarm(workdir: Path) -> None:
                                         *COLLECTOR_ARGS],
                         workdir=workdir / "healthy")
     with K.Stack(cfg) as s:
-        traffic = Traffic(s, alias=False).start()
+        # Two gateways on one collector, as a fleet behind an L4 balancer runs: each engine
+        # gets requests from both, whose reports and engine scrapes interleave (false
+        # `hash_mismatch` alarms came from exactly that).
+        second = s.start_extra_envoy("second", {})
+        traffic = Traffic(s, alias=False, urls=[s.kvroute_url, second["kvroute"]]).start()
         try:
             start = time.monotonic()
             ratios_seen = False
@@ -246,6 +252,9 @@ def test_healthy_fleet_raises_no_alarm(workdir: Path) -> None:
                 time.sleep(1.0)
             check(ratios_seen, "the truth check never had a ratio: no engine reuse seen")
             check(traffic.sent > 50, f"too little traffic: {traffic.sent}")
+            gateways = K.http("GET", s.collector_url + "/v1/load", timeout=5).json()
+            check(gateways.get("gateways") == 2,
+                  f"both gateways should report load: {gateways}")
         finally:
             traffic.close()
 
