@@ -7,7 +7,6 @@
 //! earlier one has (`state.json.rejected-<unix secs>-<n>`), for inspection, and the collector
 //! starts empty: the engines' replay buffers refill what they still hold.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::hub::StateFile;
@@ -87,16 +86,23 @@ pub fn save(dir: &Path, state: &StateFile) -> Result<usize, StateError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let tmp = dir.join(format!("{FILE}.tmp"));
     let path = dir.join(FILE);
-    let bytes = serde_json::to_vec(state).map_err(|e| StateError::Io {
+    // Streamed to the file: the whole index as one JSON buffer every snapshot interval was a
+    // transient allocation as large as the file, which the allocator keeps as resident memory.
+    let f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 16, f);
+    serde_json::to_writer(&mut w, state).map_err(|e| StateError::Io {
         path: tmp.clone(),
         source: e.into(),
     })?;
-    let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
-    f.write_all(&bytes).map_err(io(&tmp))?;
+    let f = w.into_inner().map_err(|e| StateError::Io {
+        path: tmp.clone(),
+        source: e.into_error(),
+    })?;
     f.sync_all().map_err(io(&tmp))?;
+    let written = f.metadata().map_err(io(&tmp))?.len();
     drop(f);
     std::fs::rename(&tmp, &path).map_err(io(&path))?;
-    Ok(bytes.len())
+    Ok(usize::try_from(written).unwrap_or(usize::MAX))
 }
 
 #[cfg(test)]
