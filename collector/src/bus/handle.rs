@@ -151,6 +151,11 @@ impl Bus {
         lock(&self.outbox_rx).take()
     }
 
+    /// Whether the connection to NATS is up.
+    pub fn is_connected(&self) -> bool {
+        self.connected.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn set_connected(&self, up: bool) {
         self.connected.store(up, Ordering::Relaxed);
         let mut since = lock(&self.down_since);

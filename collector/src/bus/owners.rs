@@ -23,6 +23,9 @@
 //! starts from that batch instead, so the engine's replay buffer also fills its own index; the
 //! replicas skip what they already have by sequence number.
 //!
+//! While NATS is down no beat arrives, so who reads what stays as it was until the connection is
+//! back and the beats have been heard again for [`SETTLE`].
+//!
 //! Only `--nats-role ingest` takes part: a `both` process serves from its own index, so it
 //! reads every engine itself (one such process is the small-fleet set-up).
 
@@ -78,6 +81,12 @@ impl Members {
             }
         }
         self.seen.insert(member, now);
+    }
+
+    /// Listens again from `now` (after the connection came back: the beats missed while it
+    /// was down say nothing about the others).
+    pub fn relisten(&mut self, now: Instant) {
+        self.started = now;
     }
 
     /// Whether this process has listened long enough to claim engines.
@@ -191,6 +200,7 @@ pub async fn run(
     };
     let mut tick = tokio::time::interval(BEAT);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut was_up = true;
     loop {
         tokio::select! {
             m = beats.next() => match m {
@@ -205,7 +215,15 @@ pub async fn run(
                     count(&shared.metrics, "out", "member_dropped");
                 }
                 let now = Instant::now();
-                if !members.settled(now) {
+                // Without NATS no beat arrives: the others would all look gone and this process
+                // would take every engine. Who reads what stays as it was until the connection
+                // is back and the beats have been heard again.
+                let up = bus.is_connected();
+                if up && !was_up {
+                    members.relisten(now);
+                }
+                was_up = up;
+                if !up || !members.settled(now) {
                     continue;
                 }
                 let live = members.live(now);
@@ -297,6 +315,9 @@ mod tests {
         assert_eq!(m.live(t0), [1, 2]);
         assert!(m.settled(t0 + SETTLE));
         assert_eq!(m.live(t0 + MEMBER_TTL), [1]);
+        // Back from a lost connection: listens again before deciding.
+        m.relisten(t0 + MEMBER_TTL);
+        assert!(!m.settled(t0 + MEMBER_TTL));
         let o = Ownership::new(1);
         assert!(!o.owns("k"), "claims nothing before the first settled tick");
         o.set(vec![1]);
