@@ -411,7 +411,16 @@ async fn health(State(state): State<AppState>) -> Response {
         .iter()
         .map(|a| serde_json::json!({ "alarm": a.kind.as_str(), "subject": a.subject, "reason": a.reason, "causes": a.causes }))
         .collect();
-    Json(serde_json::json!({ "status": status, "reasons": problems, "alarms": alarms, "workers": workers, "connected": connected, "epoch": epoch })).into_response()
+    let mut body = serde_json::json!({ "status": status, "reasons": problems, "alarms": alarms, "workers": workers, "connected": connected, "epoch": epoch });
+    // An ingest process that splits the engines: how many share them (itself included; absent
+    // until it has listened long enough to decide) and how many it reads.
+    if let Some(bus) = state.bus.as_ref().filter(|b| crate::bus::owners::splits(b)) {
+        body["ingest"] = serde_json::json!({
+            "members": bus.ownership.members().map(|m| m.len()),
+            "reads": state.reading(),
+        });
+    }
+    Json(body).into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {

@@ -141,6 +141,16 @@ impl Shared {
             .is_some_and(|t| !t.is_finished())
     }
 
+    /// How many engines this process reads (subscribers running).
+    pub fn reading(&self) -> usize {
+        self.subscribers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter(|t| !t.is_finished())
+            .count()
+    }
+
     /// Stops `id`'s subscriber (another process reads the engine now) and drops what it
     /// applied here: this process's index holds the engines it reads, no stale rest.
     pub(crate) fn stop_subscriber(&self, id: WorkerId) {

@@ -267,6 +267,14 @@ async fn ingest_processes_split_the_engines_and_take_over_a_stopped_ones() {
     registered(&i2.state, 6).await;
     registered(&r1.state, 6).await;
     split_settles(&[&i1, &i2], &names).await;
+    // Each says on /health how many share the engines and how many it reads.
+    let (h1, h2) = (i1.health().await, i2.health().await);
+    assert_eq!(h1["ingest"]["members"], 2, "{h1}");
+    assert_eq!(
+        h1["ingest"]["reads"].as_u64().unwrap() + h2["ingest"]["reads"].as_u64().unwrap(),
+        6,
+        "{h1} {h2}"
+    );
     let round = |engines: &[Publisher], round: u32| -> Vec<Vec<u32>> {
         let mut prompts = Vec::new();
         for (i, e) in engines.iter().enumerate() {
