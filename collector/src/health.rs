@@ -19,9 +19,17 @@ pub fn evaluate_alarms(state: &AppState) -> Vec<Alarm> {
         let fleet = state.fleet();
         (fleet.totals(now), fleet.truth().routed_totals())
     };
+    // An ingest process that splits the engines hears only the ones it reads: the others'
+    // silence here says nothing of them (their reader and the index replicas judge them).
+    let read_here = state
+        .bus
+        .as_ref()
+        .filter(|b| crate::bus::owners::splits(b))
+        .map(|_| state.read_set());
     let engines: Vec<EngineObservation> = {
         let hub = state.read();
         hub.workers()
+            .filter(|w| read_here.as_ref().is_none_or(|r| r.contains(&w.id)))
             .map(|w| EngineObservation {
                 worker: w.id,
                 subject: format!("{}/{}", w.reg.instance_id, w.dp_rank()),

@@ -143,12 +143,18 @@ impl Shared {
 
     /// How many engines this process reads (subscribers running).
     pub fn reading(&self) -> usize {
+        self.read_set().len()
+    }
+
+    /// The workers whose engines this process reads (subscribers running).
+    pub fn read_set(&self) -> std::collections::HashSet<WorkerId> {
         self.subscribers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .filter(|t| !t.is_finished())
-            .count()
+            .iter()
+            .filter(|(_, t)| !t.is_finished())
+            .map(|(id, _)| *id)
+            .collect()
     }
 
     /// Stops `id`'s subscriber (another process reads the engine now) and drops what it

@@ -252,8 +252,13 @@ async fn split_settles(ingests: &[&Collector], names: &[String]) {
 async fn ingest_processes_split_the_engines_and_take_over_a_stopped_ones() {
     let nats = Nats::start().await;
     let url = nats.url();
-    let i1 = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
-    let i2 = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
+    // A short silence alarm: an ingest process must judge only the engines it reads.
+    let ingest = || Config {
+        alarm_silent: Duration::from_secs(1),
+        ..config(Some(bus(&url, Role::Ingest, "unused")))
+    };
+    let i1 = Collector::start(ingest()).await;
+    let i2 = Collector::start(ingest()).await;
     let direct = Collector::start(config(None)).await;
     let r1 = Collector::start(config(Some(bus(&url, Role::Index, "r1")))).await;
     let names: Vec<String> = (0..6).map(|i| format!("e{i}")).collect();
@@ -306,6 +311,45 @@ async fn ingest_processes_split_the_engines_and_take_over_a_stopped_ones() {
         "a batch reached the stream twice"
     );
     assert!(i1.bus_count("out", "published") > 0 && i2.bus_count("out", "published") > 0);
+    // Every engine serves requests and sends no event for over a second: i1 raises
+    // engine_silent for engines it reads, never for one the other process reads.
+    let busy_everywhere = || async {
+        let (epoch, workers) = fleet_load(&i1).await;
+        let entries: Vec<serde_json::Value> = workers
+            .values()
+            .map(|w| serde_json::json!({ "worker": w.0, "requests": 1, "prefill_tokens": 10 }))
+            .collect();
+        let r = reqwest::Client::new()
+            .post(format!("http://{}/v1/load", i1.addr))
+            .json(&serde_json::json!({ "gateway": "gw", "epoch": epoch, "workers": entries }))
+            .send()
+            .await
+            .expect("POST /v1/load");
+        assert!(r.status().is_success());
+    };
+    busy_everywhere().await;
+    // Alarms are judged when asked: this opens the silence window, the next one judges it.
+    i1.health().await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    busy_everywhere().await;
+    let h = i1.health().await;
+    let silent: Vec<String> = h["alarms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["alarm"] == "engine_silent")
+        .map(|a| {
+            a["subject"]
+                .as_str()
+                .unwrap()
+                .trim_end_matches("/0")
+                .to_owned()
+        })
+        .collect();
+    assert!(!silent.is_empty(), "the silence alarm never fired: {h}");
+    for n in &silent {
+        assert_eq!(readers(&[&i1, &i2], n), [0], "{n} is not read by i1: {h}");
+    }
     // i1 stops: i2 reads all six once i1's membership has lapsed.
     i1.stop().await;
     split_settles(&[&i2], &names).await;
