@@ -43,11 +43,13 @@ use super::{count, wire, worker_key, Bus, Role};
 use crate::shared::Shared;
 
 /// How often an ingest process says it is alive.
-pub const BEAT: Duration = Duration::from_millis(500);
+pub const BEAT: Duration = Duration::from_millis(250);
 /// A member not heard from for this long is gone: its engines move to the others.
 pub const MEMBER_TTL: Duration = Duration::from_millis(2000);
-/// How long a starting process listens before it claims engines.
-pub const SETTLE: Duration = Duration::from_millis(1200);
+/// How long a starting process listens before it claims engines: over two beats, so one late
+/// beat does not make it take another's engines; short, since its own engines wait as long
+/// (a restarted process's events reach the stream only after it).
+pub const SETTLE: Duration = Duration::from_millis(600);
 /// Most members remembered (a hostile publisher cannot grow the table past it).
 const MAX_MEMBERS: usize = 1024;
 
