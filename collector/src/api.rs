@@ -414,7 +414,7 @@ async fn health(State(state): State<AppState>) -> Response {
     let mut body = serde_json::json!({ "status": status, "reasons": problems, "alarms": alarms, "workers": workers, "connected": connected, "epoch": epoch });
     // An ingest process that splits the engines: how many share them (itself included; absent
     // until it has listened long enough to decide) and how many it reads.
-    if let Some(bus) = state.bus.as_ref().filter(|b| crate::bus::owners::splits(b)) {
+    if let Some(bus) = state.bus.as_ref().filter(|b| b.splits_engines()) {
         body["ingest"] = serde_json::json!({
             "members": bus.ownership.members().map(|m| m.len()),
             "reads": state.reading(),

@@ -24,7 +24,7 @@ pub fn evaluate_alarms(state: &AppState) -> Vec<Alarm> {
     let read_here = state
         .bus
         .as_ref()
-        .filter(|b| crate::bus::owners::splits(b))
+        .filter(|b| b.splits_engines())
         .map(|_| state.read_set());
     let engines: Vec<EngineObservation> = {
         let hub = state.read();

@@ -65,7 +65,7 @@ impl Shared {
         if let (Some(bus), Some(dir)) = (&bus, &config.state_dir) {
             // A process restarted on its state keeps its engines (and its snapshot of them).
             bus.ownership
-                .set_member(crate::bus::owners::member_of_state_dir(dir));
+                .set_member(crate::bus::ownership::member_of_state_dir(dir));
         }
         Arc::new(Shared {
             tokenizers,

@@ -109,7 +109,7 @@ impl Shared {
             return;
         }
         // Among several ingest processes, only the engine's owner reads it.
-        if let Some(bus) = self.bus.as_ref().filter(|b| crate::bus::owners::splits(b)) {
+        if let Some(bus) = self.bus.as_ref().filter(|b| b.splits_engines()) {
             let key = self
                 .read()
                 .worker(id)

@@ -228,7 +228,7 @@ async fn split_settles(ingests: &[&Collector], names: &[String]) {
             .iter()
             .map(|n| {
                 let key = kvroute_collector::bus::worker_key(n, 0);
-                let owner = kvroute_collector::bus::owners::owner(&origins, &key).unwrap();
+                let owner = kvroute_collector::bus::ownership::owner(&origins, &key).unwrap();
                 let at = origins.iter().position(|o| *o == owner).unwrap();
                 (n.clone(), readers(ingests, n), at)
             })

@@ -94,7 +94,7 @@ pub struct Bus {
     /// Tells this collector's own messages apart (several may share a process in tests).
     origin: u64,
     /// Which engines this process reads, with other ingest processes ([`super::owners`]).
-    pub ownership: super::owners::Ownership,
+    pub ownership: super::ownership::Ownership,
 }
 
 impl Bus {
@@ -116,7 +116,7 @@ impl Bus {
             load,
             load_rx: Mutex::new(Some(load_rx)),
             origin,
-            ownership: super::owners::Ownership::new(origin),
+            ownership: super::ownership::Ownership::new(origin),
         })
     }
 
@@ -149,6 +149,13 @@ impl Bus {
     /// The outbox's receiving end, once (for the publisher task).
     pub(crate) fn take_outbox(&self) -> Option<mpsc::Receiver<Outgoing>> {
         lock(&self.outbox_rx).take()
+    }
+
+    /// Whether this process splits the engines with other ingest processes (only
+    /// `--nats-role ingest` does: a `both` process serves from its own index, so it reads
+    /// every engine itself).
+    pub fn splits_engines(&self) -> bool {
+        self.config.role == super::Role::Ingest
     }
 
     /// Whether the connection to NATS is up.

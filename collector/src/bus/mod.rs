@@ -14,7 +14,7 @@
 //!   read the stream back).
 //!
 //! Several ingest processes split the engines between them, one reader per engine
-//! ([`owners`]).
+//! ([`ownership`], [`owners`]).
 //!
 //! Registrations reach every process through a second stream that keeps the last message per
 //! worker, as a KV bucket does ([`registry`]): a `/register` or `/unregister` on any
@@ -35,6 +35,7 @@ pub mod dynamo;
 pub mod handle;
 pub mod load;
 pub mod owners;
+pub mod ownership;
 pub mod publish;
 pub mod registry;
 pub mod settings;

@@ -43,7 +43,7 @@ pub fn spawn(shared: &Arc<Shared>) -> Tasks {
         set.spawn(publish::run(shared.clone(), bus.clone(), js.clone()));
         set.spawn(registry::watch(shared.clone(), bus.clone(), js.clone()));
         set.spawn(load::run(shared.clone(), bus.clone(), client.clone()));
-        if owners::splits(&bus) {
+        if bus.splits_engines() {
             set.spawn(owners::run(
                 shared.clone(),
                 bus.clone(),
