@@ -155,7 +155,7 @@ impl Bus {
     /// `--nats-role ingest` does: a `both` process serves from its own index, so it reads
     /// every engine itself).
     pub fn splits_engines(&self) -> bool {
-        self.config.role == super::Role::Ingest
+        self.config.role == super::settings::Role::Ingest
     }
 
     /// Whether the connection to NATS is up.
