@@ -192,6 +192,17 @@ mod tests {
     }
 
     #[test]
+    fn a_state_dir_names_the_same_member_across_restarts_and_another_dir_another() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let id = member_of_state_dir(a.path());
+        assert_eq!(id, member_of_state_dir(a.path()));
+        // The same directory named another way is the same member.
+        assert_eq!(id, member_of_state_dir(&a.path().join(".")));
+        assert_ne!(id, member_of_state_dir(b.path()));
+    }
+
+    #[test]
     fn members_expire_and_a_new_process_claims_nothing_before_it_settled() {
         let t0 = Instant::now();
         let mut m = Members::new(1, t0);
