@@ -51,7 +51,7 @@ layout:
 	python3 tools/layout_check.py
 
 ## make test: lint, the wasm build, every Rust test, the end-to-end tests through Envoy, the
-## JavaScript package's Node tests and the fleet page in headless Chromium.
+## short chaos soak, the JavaScript package's Node tests and the fleet page in headless Chromium.
 test: lint wasm
 	$(CARGO) build -j$(JOBS) -p kvroute --target wasm32-wasip1
 	$(MAKE) check-rules
