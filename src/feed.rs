@@ -15,7 +15,25 @@
 //! [`Page::MORE`] says more is ready now: ask again at once with the page's `cursor`. A
 //! collector restart brings a new epoch, so a reader never mixes two collectors' cursors.
 //!
-//! # Wire format, version 2 (version 1 is still read: the same without op 6)
+//! # Handover between replicas of one stream (version 3)
+//!
+//! Collectors that build their index from the same NATS JetStream stream apply the same
+//! messages in the same order, so "every message up to stream sequence S" names the same
+//! index content on each of them even though their cursors do not. A reader that asks with
+//! `v=3` gets, on every page that ends at a log position, an [`Op::Stream`] naming the stream
+//! and the last sequence whose changes the page completes. After a failover it asks the other
+//! replica with its old epoch and cursor plus `stream=X&seq=S`; a replica of stream `X` that
+//! has applied `S` and still logs from there answers a [`Page::HANDOVER`] page instead of a
+//! snapshot: its complete worker table, block sizes and aliases, its own epoch, and the
+//! cursor just after `S`. The reader checks the table against its own (the same worker in
+//! every slot), then follows the new replica from that cursor; the changes it already had
+//! after `S` come again and apply as no-ops (adds and removals are idempotent and arrive in
+//! the same order). A table that differs, or any doubt, falls back to a snapshot. A replica
+//! that has not yet reached `S` answers an empty page in the reader's own epoch and cursor:
+//! nothing new, ask again.
+//!
+//! # Wire format, version 3 (versions 1 and 2 are still read: 2 is 3 without op 7 and flag
+//! `HANDOVER`, 1 is 2 without op 6; a page is written in the lowest version that carries it)
 //!
 //! All integers little-endian; `varint` is LEB128 (at most 10 bytes); `str` is a varint length
 //! and UTF-8 bytes, at most [`MAX_STR`] long.
@@ -23,7 +41,7 @@
 //! ```text
 //! magic   b"KVRF"
 //! version u8 = 2
-//! flags   u8        bit 0 RESET, bit 1 MORE; other bits must be 0
+//! flags   u8        bit 0 RESET, bit 1 MORE, bit 2 HANDOVER (v3); other bits must be 0
 //! epoch   u64
 //! cursor  u64       pass back as `since`
 //! count   varint    number of ops, then each op as a tag byte and its fields:
@@ -37,6 +55,7 @@
 //!   6 Load      worker varint, requests varint, prefill_tokens varint, decode_tokens varint,
 //!               engine u8 (0 none, 1 fresh, 2 stale), then unless none: waiting varint,
 //!               running varint, kv_permille varint (<= 1000), age_ms varint
+//!   7 Stream    stream u64, seq varint (v3)
 //! ```
 //!
 //! `Load` ops are not index changes: the collector appends one per worker with fleet load to
@@ -65,8 +84,8 @@ pub const REPLICA_HEADER: &str = "x-kvroute-replica";
 
 /// The first four bytes of every page.
 pub const MAGIC: [u8; 4] = *b"KVRF";
-/// The format version this code reads and writes.
-pub const VERSION: u8 = 2;
+/// The newest format version this code reads and writes.
+pub const VERSION: u8 = 3;
 /// The oldest format version this code still reads.
 pub const MIN_VERSION: u8 = 1;
 /// Longest string the format carries (instance ids, addresses, names).
@@ -154,6 +173,19 @@ pub enum Op {
         /// The engine's own report, if the collector has one.
         engine: Option<EngineSample>,
     },
+    /// The stream position the page's cursor completes (see the module's "Handover"): the
+    /// collector's stream and the last stream sequence whose changes are all before the
+    /// cursor. Not an index change; appended when served, like `Load`.
+    Stream(StreamMark),
+}
+
+/// A position in the event stream a collector builds its index from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct StreamMark {
+    /// The stream's identity (its name and creation time, hashed; never 0).
+    pub stream: u64,
+    /// A stream sequence number.
+    pub seq: u64,
 }
 
 impl Op {
@@ -178,6 +210,7 @@ impl Op {
             } => s(tenant) + s(served) + s(model) + s(lora.as_deref().unwrap_or("")),
             Op::Blocks { keys, .. } => 10 + 2 + 10 + 8 * keys.len(),
             Op::Load { .. } => 4 * 10 + 1 + 4 * 10,
+            Op::Stream(_) => 8 + 10,
         }
     }
 }
@@ -185,7 +218,7 @@ impl Op {
 /// One response of `/v1/feed`.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct Page {
-    /// [`Page::RESET`] and [`Page::MORE`] bits.
+    /// [`Page::RESET`], [`Page::MORE`] and [`Page::HANDOVER`] bits.
     pub flags: u8,
     /// The index incarnation the cursor belongs to (a collector restart changes it).
     pub epoch: u64,
@@ -236,6 +269,9 @@ impl Page {
     pub const RESET: u8 = 1;
     /// Flag: more is ready, pull again at once.
     pub const MORE: u8 = 2;
+    /// Flag (version 3): another replica of the reader's stream takes over its cursor; the
+    /// page holds this collector's complete worker table, block sizes and aliases.
+    pub const HANDOVER: u8 = 4;
 
     /// Whether a full snapshot starts with this page.
     pub fn is_reset(&self) -> bool {
@@ -247,10 +283,33 @@ impl Page {
         self.flags & Self::MORE != 0
     }
 
+    /// Whether another replica of the reader's stream takes over its cursor.
+    pub fn is_handover(&self) -> bool {
+        self.flags & Self::HANDOVER != 0
+    }
+
+    /// The page's stream position, if it carries one.
+    pub fn stream_mark(&self) -> Option<StreamMark> {
+        self.ops.iter().rev().find_map(|op| match op {
+            Op::Stream(m) => Some(*m),
+            _ => None,
+        })
+    }
+
+    /// The lowest format version that carries this page.
+    fn version(&self) -> u8 {
+        let v3 = self.is_handover() || self.ops.iter().any(|o| matches!(o, Op::Stream(_)));
+        if v3 {
+            3
+        } else {
+            2
+        }
+    }
+
     /// Appends the encoded page to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&MAGIC);
-        out.push(VERSION);
+        out.push(self.version());
         out.push(self.flags);
         out.extend_from_slice(&self.epoch.to_le_bytes());
         out.extend_from_slice(&self.cursor.to_le_bytes());
@@ -339,6 +398,11 @@ impl Page {
                         }
                     }
                 }
+                Op::Stream(m) => {
+                    out.push(7);
+                    out.extend_from_slice(&m.stream.to_le_bytes());
+                    put_varint(out, m.seq);
+                }
             }
         }
     }
@@ -354,9 +418,11 @@ impl Page {
 
     /// Appends `ops` to an encoded page without decoding it: the header is kept, the op count
     /// rewritten, the new ops encoded after the old ones. For ops computed when a cached page
-    /// is served (`Load`). `None` when `page` is not a page of this version.
+    /// is served (`Load`, `Stream`). The version byte is raised to what the new ops need.
+    /// `None` when `page` is not a page of version 2 or later.
     pub fn append_ops(page: &[u8], ops: &[Op]) -> Option<Vec<u8>> {
-        if page.get(..4)? != MAGIC || *page.get(4)? != VERSION {
+        let version = *page.get(4)?;
+        if page.get(..4)? != MAGIC || !(2..=VERSION).contains(&version) {
             return None;
         }
         let mut r = Reader::new(page.get(HEADER_LEN..)?);
@@ -372,6 +438,7 @@ impl Page {
         let extra_ops = extra.get(HEADER_LEN + er.position()..)?;
         let mut out = Vec::with_capacity(page.len() + extra_ops.len() + 10);
         out.extend_from_slice(page.get(..HEADER_LEN)?);
+        out[4] = version.max(*extra.get(4)?);
         put_varint(&mut out, count + ops.len() as u64);
         out.extend_from_slice(body);
         out.extend_from_slice(extra_ops);
@@ -389,7 +456,12 @@ impl Page {
             return Err(FeedError::Version(version));
         }
         let flags = r.u8()?;
-        if flags & !(Self::RESET | Self::MORE) != 0 {
+        let known = if version >= 3 {
+            Self::RESET | Self::MORE | Self::HANDOVER
+        } else {
+            Self::RESET | Self::MORE
+        };
+        if flags & !known != 0 {
             return Err(FeedError::Flags(flags));
         }
         let epoch = r.u64()?;
@@ -517,6 +589,10 @@ impl Page {
                         engine,
                     }
                 }
+                7 if version >= 3 => Op::Stream(StreamMark {
+                    stream: r.u64()?,
+                    seq: r.varint()?,
+                }),
                 tag => return Err(FeedError::Tag { tag, at }),
             };
             ops.push(op);
@@ -632,12 +708,13 @@ mod tests {
                         }),
                     }
                 }),
+            (1u64.., any::<u64>()).prop_map(|(stream, seq)| Op::Stream(StreamMark { stream, seq })),
         ]
     }
 
     fn arb_page() -> impl Strategy<Value = Page> {
         (
-            0u8..4,
+            0u8..8,
             any::<u64>(),
             any::<u64>(),
             proptest::collection::vec(arb_op(), 0..20),
@@ -710,6 +787,46 @@ mod tests {
         assert!(matches!(
             Page::decode(&bytes),
             Err(FeedError::Tag { tag: 6, .. })
+        ));
+    }
+
+    #[test]
+    fn pages_are_written_in_the_lowest_version_that_carries_them() {
+        let plain = Page {
+            flags: Page::MORE,
+            epoch: 3,
+            cursor: 9,
+            ops: vec![Op::WorkerGone { id: WorkerId(1) }],
+        };
+        assert_eq!(
+            plain.to_bytes()[4],
+            2,
+            "a version-2 reader must still read it"
+        );
+        let mark = Op::Stream(StreamMark { stream: 7, seq: 41 });
+        let marked = Page::append_ops(&plain.to_bytes(), std::slice::from_ref(&mark)).unwrap();
+        assert_eq!(marked[4], 3);
+        let decoded = Page::decode(&marked).unwrap();
+        assert_eq!(
+            decoded.stream_mark(),
+            Some(StreamMark { stream: 7, seq: 41 })
+        );
+        let handover = Page {
+            flags: Page::HANDOVER,
+            ..Page::default()
+        };
+        let bytes = handover.to_bytes();
+        assert_eq!(bytes[4], 3);
+        assert!(Page::decode(&bytes).unwrap().is_handover());
+        // Neither the flag nor the op exists in version 2.
+        let mut old = bytes.clone();
+        old[4] = 2;
+        assert!(matches!(Page::decode(&old), Err(FeedError::Flags(_))));
+        let mut old = marked.clone();
+        old[4] = 2;
+        assert!(matches!(
+            Page::decode(&old),
+            Err(FeedError::Tag { tag: 7, .. })
         ));
     }
 

@@ -4,7 +4,7 @@
 use crate::scope::BlockKey;
 
 /// Version of every value layout below; part of every key name.
-pub const LAYOUT_VERSION: u8 = 2;
+pub const LAYOUT_VERSION: u8 = 3;
 
 /// Most attempts at a compare-and-swap update before giving up (the update is then skipped
 /// and counted by the caller).

@@ -3,7 +3,7 @@
 
 use crate::codec::{le_u64, Reader};
 use crate::event::Tier;
-use crate::feed::{Op, Page};
+use crate::feed::{Op, Page, StreamMark};
 use crate::scope::BlockKey;
 
 use super::buckets::{BucketRef, BucketRows};
@@ -22,6 +22,8 @@ pub struct Build {
     pub epoch: u64,
     /// The feed cursor it has reached.
     pub cursor: u64,
+    /// The stream position that cursor completes (stream 0: none known).
+    pub mark: StreamMark,
 }
 
 /// What `{prefix}/active` holds.
@@ -30,8 +32,9 @@ pub struct Build {
 ///
 /// ```text
 /// version u8, flags u8 (bit 0 has_index, bit 1 building, bit 2 cursor valid)
-/// gen u8, stamp u32, meta_version u32, next_stamp u32, epoch u64, cursor u64, synced_at_ms u64
-/// build: gen u8, stamp u32, epoch u64, cursor u64
+/// gen u8, stamp u32, meta_version u32, next_stamp u32, epoch u64, cursor u64, synced_at_ms u64,
+/// stream u64, seq u64
+/// build: gen u8, stamp u32, epoch u64, cursor u64, stream u64, seq u64
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SyncState {
@@ -54,6 +57,9 @@ pub struct SyncState {
     pub cursor_valid: bool,
     /// When the active generation last caught up with the collector (host clock, ms).
     pub synced_at_ms: u64,
+    /// The stream position `cursor` completes (stream 0: none known): what another replica
+    /// of the same stream can take over from (see `feed`'s "Handover").
+    pub mark: StreamMark,
     /// A full resync in progress, if any.
     pub build: Option<Build>,
 }
@@ -76,6 +82,10 @@ impl SyncState {
             epoch: r.u64().ok()?,
             cursor: r.u64().ok()?,
             synced_at_ms: r.u64().ok()?,
+            mark: StreamMark {
+                stream: r.u64().ok()?,
+                seq: r.u64().ok()?,
+            },
             build: None,
         };
         let build = Build {
@@ -83,6 +93,10 @@ impl SyncState {
             stamp: r.u32().ok()?,
             epoch: r.u64().ok()?,
             cursor: r.u64().ok()?,
+            mark: StreamMark {
+                stream: r.u64().ok()?,
+                seq: r.u64().ok()?,
+            },
         };
         if flags & 2 != 0 {
             s.build = Some(build);
@@ -92,7 +106,7 @@ impl SyncState {
 
     /// The state value.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(64);
+        let mut out = Vec::with_capacity(96);
         out.push(LAYOUT_VERSION);
         out.push(
             self.has_index as u8
@@ -106,24 +120,34 @@ impl SyncState {
         out.extend_from_slice(&self.epoch.to_le_bytes());
         out.extend_from_slice(&self.cursor.to_le_bytes());
         out.extend_from_slice(&self.synced_at_ms.to_le_bytes());
+        out.extend_from_slice(&self.mark.stream.to_le_bytes());
+        out.extend_from_slice(&self.mark.seq.to_le_bytes());
         let b = self.build.unwrap_or_default();
         out.push(b.gen);
         out.extend_from_slice(&b.stamp.to_le_bytes());
         out.extend_from_slice(&b.epoch.to_le_bytes());
         out.extend_from_slice(&b.cursor.to_le_bytes());
+        out.extend_from_slice(&b.mark.stream.to_le_bytes());
+        out.extend_from_slice(&b.mark.seq.to_le_bytes());
         out
     }
 
-    /// The query string of the next `/v1/feed` pull (`?epoch=E&since=C`, or empty to ask for
-    /// a full snapshot).
+    /// The query string of the next `/v1/feed` pull: `?v=3` (this reader takes version-3
+    /// pages), then `&epoch=E&since=C` to continue, and `&stream=X&seq=S` when the position
+    /// is also known in stream terms (another replica of the stream can then take it over);
+    /// no cursor asks for a full snapshot.
     pub fn feed_query(&self) -> String {
-        match self.build {
-            Some(b) => format!("?epoch={}&since={}", b.epoch, b.cursor),
-            None if self.has_index && self.cursor_valid => {
-                format!("?epoch={}&since={}", self.epoch, self.cursor)
-            }
-            None => String::new(),
+        let (epoch, cursor, mark) = match self.build {
+            Some(b) => (b.epoch, b.cursor, b.mark),
+            None if self.has_index && self.cursor_valid => (self.epoch, self.cursor, self.mark),
+            None => return format!("?v={}", crate::feed::VERSION),
+        };
+        let mut q = format!("?v={}&epoch={epoch}&since={cursor}", crate::feed::VERSION);
+        // A build's marks are the snapshot's: nothing to hand over until it is switched in.
+        if mark.stream != 0 && self.build.is_none() {
+            q.push_str(&format!("&stream={}&seq={}", mark.stream, mark.seq));
         }
+        q
     }
 
     /// Whether the active index is too old to route on.
@@ -244,6 +268,10 @@ pub enum SyncError {
     /// A delta page before any snapshot.
     #[error("delta page with no index to apply it to")]
     NoBase,
+    /// A handover this reader cannot take (its worker table differs from the new replica's,
+    /// or it follows no index of that stream): the cursor is dropped, a snapshot follows.
+    #[error("handover refused: {0}")]
+    HandoverRefused(&'static str),
     /// Shared data failed.
     #[error("shared data: {0}")]
     Store(#[from] StoreError),
@@ -258,6 +286,8 @@ pub struct Applied {
     pub switched: bool,
     /// The page asked for another pull at once.
     pub more: bool,
+    /// Another replica of the stream took over the cursor (no snapshot needed).
+    pub handover: bool,
 }
 
 /// Applies one feed page to shared data: the lease holder's whole job.
@@ -281,6 +311,9 @@ pub fn apply_page<S: Store>(
         more: page.has_more(),
         ..Applied::default()
     };
+    if page.is_handover() {
+        return take_handover(store, keys, limits, page, now_ms, state, cas);
+    }
     let target = match target(&mut state, page) {
         Ok(t) => t,
         Err(e) => {
@@ -318,6 +351,7 @@ fn target(state: &mut SyncState, page: &Page) -> Result<Target, SyncError> {
             stamp,
             epoch: page.epoch,
             cursor: page.cursor,
+            mark: page.stream_mark().unwrap_or_default(),
         });
         Ok(Target { gen, stamp })
     } else if let Some(b) = state.build {
@@ -455,10 +489,14 @@ fn apply_blocks<S: Store>(
 /// Step 4: the cursor moves to the page's; a build the page completes is switched in whole.
 /// Returns whether it was.
 fn advance(state: &mut SyncState, page: &Page, meta_changed: bool, now_ms: u64) -> bool {
+    // A page without a mark (an older collector, or one not on a stream, or a page inside a
+    // snapshot) leaves the position unknown in stream terms.
+    let mark = page.stream_mark().unwrap_or_default();
     match state.build {
         Some(mut b) => {
             b.cursor = page.cursor;
             b.epoch = page.epoch;
+            b.mark = mark;
             if page.has_more() {
                 state.build = Some(b);
                 false
@@ -469,6 +507,7 @@ fn advance(state: &mut SyncState, page: &Page, meta_changed: bool, now_ms: u64) 
                 state.stamp = b.stamp;
                 state.epoch = b.epoch;
                 state.cursor = b.cursor;
+                state.mark = b.mark;
                 state.cursor_valid = true;
                 state.meta_version = state.meta_version.wrapping_add(1);
                 state.synced_at_ms = now_ms;
@@ -478,6 +517,7 @@ fn advance(state: &mut SyncState, page: &Page, meta_changed: bool, now_ms: u64) 
         }
         None => {
             state.cursor = page.cursor;
+            state.mark = mark;
             if meta_changed {
                 state.meta_version = state.meta_version.wrapping_add(1);
             }
@@ -487,6 +527,109 @@ fn advance(state: &mut SyncState, page: &Page, meta_changed: bool, now_ms: u64) 
             false
         }
     }
+}
+
+/// A [`Page::HANDOVER`]: another replica of the stream this reader follows offers to go on
+/// from the reader's stream position. Taken when the reader follows an index of that stream
+/// at that position (no build under way) and the replica's worker table names the same
+/// worker in every slot the reader's does; its table then updates the reader's (liveness,
+/// block sizes, aliases) and its epoch and cursor become the reader's. Anything else drops
+/// the cursor, so the next pull asks for a snapshot.
+fn take_handover<S: Store>(
+    store: &S,
+    keys: &Keys,
+    limits: &Limits,
+    page: &Page,
+    now_ms: u64,
+    mut state: SyncState,
+    cas: u32,
+) -> Result<Applied, SyncError> {
+    let refuse = |state: &mut SyncState, why: &'static str| {
+        state.cursor_valid = false;
+        state.build = None;
+        write_state(store, keys, state, cas)?;
+        Err(SyncError::HandoverRefused(why))
+    };
+    let mark = page.stream_mark().unwrap_or_default();
+    if !state.has_index || !state.cursor_valid || state.build.is_some() {
+        return refuse(&mut state, "no index of that stream followed");
+    }
+    if mark.stream == 0 || mark != state.mark {
+        return refuse(&mut state, "another stream position");
+    }
+    let meta_key = keys.meta(state.gen);
+    let mut meta = store
+        .get(&meta_key)?
+        .0
+        .as_deref()
+        .and_then(|b| Meta::decode(b, state.stamp))
+        .unwrap_or_default();
+    if !same_workers(&meta, page, limits) {
+        return refuse(&mut state, "another worker table");
+    }
+    let mut out = Applied {
+        more: page.has_more(),
+        handover: true,
+        ..Applied::default()
+    };
+    let mut changed = false;
+    for op in &page.ops {
+        changed |= meta.apply(op, limits, &mut out.stats);
+    }
+    if changed {
+        store.set(&meta_key, &meta.encode(state.stamp), 0)?;
+        state.meta_version = state.meta_version.wrapping_add(1);
+    }
+    state.epoch = page.epoch;
+    state.cursor = page.cursor;
+    state.mark = mark;
+    state.synced_at_ms = now_ms;
+    write_state(store, keys, &state, cas)?;
+    Ok(out)
+}
+
+/// Whether the handover page's worker table occupies exactly the slots `meta` does, each
+/// with the same worker (instance, data-parallel rank, address, tenant, model; liveness may
+/// differ: the page's is newer).
+fn same_workers(meta: &Meta, page: &Page, limits: &Limits) -> bool {
+    let mut theirs: Vec<Option<&Op>> = Vec::new();
+    for op in &page.ops {
+        if let Op::Worker { id, .. } = op {
+            let slot = id.0 as usize;
+            if id.0 >= limits.max_workers {
+                return false;
+            }
+            if theirs.len() <= slot {
+                theirs.resize(slot + 1, None);
+            }
+            theirs[slot] = Some(op);
+        }
+    }
+    let slots = theirs.len().max(meta.workers.len());
+    (0..slots).all(|i| {
+        let ours = meta.workers.get(i).and_then(Option::as_ref);
+        match (ours, theirs.get(i).copied().flatten()) {
+            (None, None) => true,
+            (
+                Some(w),
+                Some(Op::Worker {
+                    dp_rank,
+                    instance_id,
+                    address,
+                    tenant,
+                    model,
+                    ..
+                }),
+            ) => {
+                w.dp_rank == *dp_rank
+                    && w.instance_id == *instance_id
+                    && w.address == *address
+                    && w.tenant == *tenant
+                    && w.model == *model
+            }
+            _ => false,
+        }
+    })
 }
 
 /// Writes the sync state back, if nobody changed it since it was read.

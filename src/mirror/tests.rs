@@ -142,9 +142,9 @@ fn prefix_view_hashes_lazily_and_matches_the_eager_walk() {
 #[test]
 fn bucket_keys_are_hex() {
     let k = Keys::new("p");
-    assert_eq!(k.bucket(0, 0), "kvroute/p/v2/g0/b0");
-    assert_eq!(k.bucket(1, 0x3fff), "kvroute/p/v2/g1/b3fff");
-    assert_eq!(k.bucket(2, 16), "kvroute/p/v2/g0/b10");
+    assert_eq!(k.bucket(0, 0), "kvroute/p/v3/g0/b0");
+    assert_eq!(k.bucket(1, 0x3fff), "kvroute/p/v3/g1/b3fff");
+    assert_eq!(k.bucket(2, 16), "kvroute/p/v3/g0/b10");
 }
 
 #[test]
@@ -204,7 +204,7 @@ fn reset_builds_aside_and_switches_whole() {
     assert!(a.switched);
     let (st, _) = read_state(&store, &keys).unwrap();
     assert!(!st.is_stale(6, 1000));
-    assert_eq!(st.feed_query(), "?epoch=1&since=11");
+    assert_eq!(st.feed_query(), "?v=3&epoch=1&since=11");
     assert_eq!(
         holders(&store, &keys, &l, 1 << 60),
         vec![(WorkerId(0), TierMask(1))]
@@ -226,7 +226,7 @@ fn reset_builds_aside_and_switches_whole() {
         .unwrap()
         .0
         .feed_query()
-        .starts_with("?epoch=2&since=1"));
+        .starts_with("?v=3&epoch=2&since=1"));
     apply_page(&store, &keys, &l, &page(0, 2, 2, vec![]), 8).unwrap();
     assert!(
         holders(&store, &keys, &l, 1 << 60).is_empty(),
@@ -237,7 +237,123 @@ fn reset_builds_aside_and_switches_whole() {
         apply_page(&store, &keys, &l, &page(0, 9, 3, vec![]), 9),
         Err(SyncError::EpochMismatch { got: 9, want: 2 })
     ));
-    assert_eq!(read_state(&store, &keys).unwrap().0.feed_query(), "");
+    assert_eq!(read_state(&store, &keys).unwrap().0.feed_query(), "?v=3");
+}
+
+fn mark(seq: u64) -> Op {
+    Op::Stream(crate::feed::StreamMark { stream: 77, seq })
+}
+
+/// A reader that followed replica A (epoch 1) of stream 77 up to its sequence 40.
+fn follower_of_a() -> (MemStore, Keys, Limits) {
+    let store = MemStore::new();
+    let keys = Keys::new("t");
+    let l = limits(4);
+    let snap = page(
+        Page::RESET,
+        1,
+        100,
+        vec![
+            worker(0, "a", 0),
+            worker(2, "c", 0),
+            blocks(0, Tier::Gpu, true, &[1 << 60]),
+            mark(40),
+        ],
+    );
+    assert!(apply_page(&store, &keys, &l, &snap, 5).unwrap().switched);
+    let (st, _) = read_state(&store, &keys).unwrap();
+    assert_eq!(st.feed_query(), "?v=3&epoch=1&since=100&stream=77&seq=40");
+    (store, keys, l)
+}
+
+#[test]
+fn a_replica_of_the_same_stream_takes_over_without_a_snapshot() {
+    let (store, keys, l) = follower_of_a();
+    let mut dead = worker(2, "c", 0);
+    if let Op::Worker { live, .. } = &mut dead {
+        *live = false;
+    }
+    let handover = page(
+        Page::HANDOVER,
+        2,
+        7,
+        vec![worker(0, "a", 0), dead, mark(40)],
+    );
+    let a = apply_page(&store, &keys, &l, &handover, 6).unwrap();
+    assert!(a.handover && !a.switched);
+    let (st, _) = read_state(&store, &keys).unwrap();
+    assert_eq!((st.epoch, st.cursor, st.cursor_valid), (2, 7, true));
+    assert!(st.build.is_none() && !st.is_stale(6, 1000));
+    // The blocks held stay; the table took the new replica's liveness.
+    assert_eq!(
+        holders(&store, &keys, &l, 1 << 60),
+        vec![(WorkerId(0), TierMask(1))]
+    );
+    let meta = Meta::decode(&store.get(&keys.meta(st.gen)).unwrap().0.unwrap(), st.stamp);
+    assert!(!meta.unwrap().workers[2].as_ref().unwrap().live);
+    // Its deltas follow, in its epoch.
+    let next = page(
+        0,
+        2,
+        9,
+        vec![blocks(2, Tier::Gpu, true, &[2 << 60]), mark(41)],
+    );
+    apply_page(&store, &keys, &l, &next, 7).unwrap();
+    assert_eq!(
+        read_state(&store, &keys).unwrap().0.feed_query(),
+        "?v=3&epoch=2&since=9&stream=77&seq=41"
+    );
+}
+
+#[test]
+fn a_handover_with_another_table_or_position_falls_back_to_a_snapshot() {
+    let cases: [(&str, Vec<Op>); 4] = [
+        (
+            "another worker in a slot",
+            vec![worker(0, "a", 0), worker(2, "x", 0), mark(40)],
+        ),
+        (
+            "a slot the reader does not hold",
+            vec![
+                worker(0, "a", 0),
+                worker(2, "c", 0),
+                worker(3, "d", 0),
+                mark(40),
+            ],
+        ),
+        ("a slot missing", vec![worker(0, "a", 0), mark(40)]),
+        (
+            "another position",
+            vec![worker(0, "a", 0), worker(2, "c", 0), mark(39)],
+        ),
+    ];
+    for (what, ops) in cases {
+        let (store, keys, l) = follower_of_a();
+        let r = apply_page(&store, &keys, &l, &page(Page::HANDOVER, 2, 7, ops), 6);
+        assert!(
+            matches!(r, Err(SyncError::HandoverRefused(_))),
+            "{what}: {r:?}"
+        );
+        let (st, _) = read_state(&store, &keys).unwrap();
+        assert_eq!(
+            st.feed_query(),
+            "?v=3",
+            "{what}: the next pull asks for a snapshot"
+        );
+        assert_eq!(st.epoch, 1, "{what}: nothing of the page was taken");
+        assert_eq!(
+            holders(&store, &keys, &l, 1 << 60),
+            vec![(WorkerId(0), TierMask(1))],
+            "{what}: the index held still serves until the snapshot is in"
+        );
+    }
+    // A page with no mark (a collector not on a stream) leaves nothing to hand over.
+    let (store, keys, l) = follower_of_a();
+    apply_page(&store, &keys, &l, &page(0, 1, 101, vec![]), 6).unwrap();
+    assert_eq!(
+        read_state(&store, &keys).unwrap().0.feed_query(),
+        "?v=3&epoch=1&since=101"
+    );
 }
 
 #[test]
