@@ -18,12 +18,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use kvroute::feed::{LOAD_EXCLUDES_HEADER, REPLICA_HEADER};
+use kvroute::feed::{StreamMark, LOAD_EXCLUDES_HEADER, REPLICA_HEADER};
 use serde::Deserialize;
 
 use crate::edge;
 use crate::fleet::GatewayId;
-use crate::hub::Registered;
+use crate::hub::{HandoverReply, Registered};
 use crate::metrics::{EndpointLabels, FeedLabels};
 use crate::reply::json;
 pub use crate::reply::ApiError;
@@ -283,8 +283,13 @@ fn observe(state: &AppState, endpoint: &'static str, took: Duration) {
 /// `GET /v1/feed` query string.
 #[derive(Debug, Deserialize)]
 pub struct FeedParams {
+    /// The newest page version the reader takes (absent: 2).
+    pub v: Option<u8>,
     pub epoch: Option<u64>,
     pub since: Option<u64>,
+    /// The reader's position in stream terms (version 3; see `kvroute::feed`'s "Handover").
+    pub stream: Option<u64>,
+    pub seq: Option<u64>,
     /// The reading gateway's id (as in its `/v1/load` reports): its own report is left out of
     /// the page's load totals, and the answer says so in [`LOAD_EXCLUDES_HEADER`].
     pub gateway: Option<String>,
@@ -298,40 +303,32 @@ async fn feed(
         ApiError::new(
             StatusCode::BAD_REQUEST,
             format!(
-                "bad query string (want epoch=U64&since=U64&gateway=ID): {}",
+                "bad query string (want v=U8&epoch=U64&since=U64&stream=U64&seq=U64&gateway=ID): {}",
                 e.body_text()
             ),
         )
     })?;
-    let cached = state.read().feed_reply(p.epoch, p.since);
-    let (bytes, kind) = match cached {
-        Some(b) => {
-            let kind = if b
-                .get(5)
-                .is_some_and(|f| f & kvroute::feed::Page::RESET != 0)
-            {
-                "snapshot"
-            } else {
-                "delta"
-            };
-            (b, kind)
+    let v3 = p.v.is_some_and(|v| v >= 3);
+    let at = match (p.stream, p.seq) {
+        (Some(stream), Some(seq)) if v3 && stream != 0 => Some(StreamMark { stream, seq }),
+        _ => None,
+    };
+    let handover = match (p.epoch, p.since, at) {
+        (Some(epoch), Some(since), Some(at)) => {
+            state.read().feed_handover(epoch, since, at, Instant::now())
         }
+        _ => None,
+    };
+    // The page's position in stream terms: a handover and a wait carry the reader's own.
+    let (bytes, kind, mark) = match handover {
+        Some(HandoverReply::Taken(b)) => (b, "handover", at),
+        Some(HandoverReply::Wait(b)) => (b, "wait", at),
         None => {
-            let mut hub = state.write();
-            // Another request may have built it meanwhile.
-            let b = match hub.feed_reply(p.epoch, p.since) {
-                Some(b) => b,
-                None => {
-                    hub.build_snapshot();
-                    hub.feed_reply(p.epoch, p.since).ok_or_else(|| {
-                        ApiError::new(
-                            StatusCode::INTERNAL_SERVER_ERROR,
-                            "feed snapshot unavailable",
-                        )
-                    })?
-                }
-            };
-            (b, "snapshot")
+            let (b, kind) = feed_page(&state, p.epoch, p.since)?;
+            let mark = v3
+                .then(|| state.read().feed.mark_at(page_cursor(&b)))
+                .flatten();
+            (b, kind, mark)
         }
     };
     let reader = match p.gateway.as_deref().map(GatewayId::new) {
@@ -339,7 +336,7 @@ async fn feed(
         Some(Ok(id)) => Some(id),
         Some(Err(e)) => return Err(ApiError::new(StatusCode::BAD_REQUEST, e.to_string())),
     };
-    let bytes = with_fleet_load(&state, bytes, reader.as_ref());
+    let bytes = with_served_ops(&state, bytes, reader.as_ref(), mark);
     state
         .metrics
         .feed_requests
@@ -368,9 +365,58 @@ async fn feed(
 
 /// The page with the fleet's load appended (feed op `Load`, one per worker with a report or
 /// a sample), computed now: cached pages stay shared, the load is always current.
-fn with_fleet_load(state: &AppState, page: Bytes, reader: Option<&GatewayId>) -> Bytes {
+/// The page from the log: deltas, or a snapshot (built first when none is ready). Its kind
+/// for the metrics.
+fn feed_page(
+    state: &AppState,
+    epoch: Option<u64>,
+    since: Option<u64>,
+) -> Result<(Bytes, &'static str), ApiError> {
+    if let Some(b) = state.read().feed_reply(epoch, since) {
+        let kind = if b
+            .get(5)
+            .is_some_and(|f| f & kvroute::feed::Page::RESET != 0)
+        {
+            "snapshot"
+        } else {
+            "delta"
+        };
+        return Ok((b, kind));
+    }
+    let mut hub = state.write();
+    // Another request may have built it meanwhile.
+    let b = match hub.feed_reply(epoch, since) {
+        Some(b) => b,
+        None => {
+            hub.build_snapshot();
+            hub.feed_reply(epoch, since).ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "feed snapshot unavailable",
+                )
+            })?
+        }
+    };
+    Ok((b, "snapshot"))
+}
+
+/// An encoded page's cursor (header: magic 4, version 1, flags 1, epoch 8, cursor 8).
+fn page_cursor(page: &[u8]) -> u64 {
+    page.get(14..22)
+        .and_then(|b| b.try_into().ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
+/// Appends what is computed when a page is served: the fleet's load and, for version-3
+/// readers on a stream, the page's stream position.
+fn with_served_ops(
+    state: &AppState,
+    page: Bytes,
+    reader: Option<&GatewayId>,
+    mark: Option<StreamMark>,
+) -> Bytes {
     let now = Instant::now();
-    let ops: Vec<kvroute::feed::Op> = state
+    let mut ops: Vec<kvroute::feed::Op> = state
         .fleet()
         .totals_for(now, reader)
         .into_iter()
@@ -386,6 +432,7 @@ fn with_fleet_load(state: &AppState, page: Bytes, reader: Option<&GatewayId>) ->
             }),
         })
         .collect();
+    ops.extend(mark.map(kvroute::feed::Op::Stream));
     if ops.is_empty() {
         return page;
     }

@@ -14,13 +14,20 @@
 //!
 //! Bound: at most `max_entries` entries; the oldest are dropped first (readers behind them get a
 //! snapshot). Snapshot pages are bounded by `max_page_bytes` like delta pages.
+//!
+//! A collector that builds its index from a NATS stream also marks, after each stream message
+//! it applied, the log position its changes end at ([`FeedLog::mark`]). Pages then tell
+//! readers their position in stream terms ([`FeedLog::mark_at`]), and a reader that followed
+//! another replica of the same stream is taken over from the position after its last
+//! sequence ([`FeedLog::handover`]; protocol in `kvroute::feed`).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvroute::event::{Tier, WorkerId};
-use kvroute::feed::{Op, Page};
+use kvroute::feed::{Op, Page, StreamMark};
 use kvroute::index::Change;
 use kvroute::scope::BlockKey;
 
@@ -63,7 +70,39 @@ pub struct FeedLog {
     max_page_bytes: usize,
     snapshot: Mutex<Option<Arc<Snapshot>>>,
     next_snapshot: u32,
+    /// The stream the index is built from (0: none).
+    stream: u64,
+    /// Stream messages applied, as runs that end at the same log position, oldest first.
+    marks: VecDeque<Mark>,
+    /// When the last one was.
+    marked_at: Option<Instant>,
 }
+
+/// Stream messages `first..=last` applied, their changes all before log position `pos` (and
+/// any messages between the two runs either side changed nothing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Mark {
+    first: u64,
+    last: u64,
+    pos: u64,
+}
+
+/// How [`FeedLog::handover`] answers a reader of another replica of the stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handover {
+    /// This log continues the reader's position from this cursor.
+    From(u64),
+    /// This replica has not yet applied the reader's position (it will soon): nothing new.
+    Wait,
+}
+
+/// How far behind a reader's position a replica may be and still ask it to wait, in stream
+/// messages (further behind: a snapshot, as for any stranger)...
+const MAX_WAIT_MESSAGES: u64 = 10_000;
+/// ...and for how long since it last applied a message: a replica that has stopped applying
+/// (NATS away, its consumer broken) must not keep a reader waiting on an index that does not
+/// move while telling it that it is in sync.
+const MAX_WAIT_IDLE: Duration = Duration::from_secs(5);
 
 impl FeedLog {
     /// `epoch` must differ from every earlier run's (the caller uses the start time).
@@ -76,7 +115,92 @@ impl FeedLog {
             max_page_bytes: max_page_bytes.max(256),
             snapshot: Mutex::new(None),
             next_snapshot: 1,
+            stream: 0,
+            marks: VecDeque::new(),
+            marked_at: None,
         }
+    }
+
+    /// The stream the index is built from from now on (its identity, never 0). Another
+    /// stream forgets the marks of the last.
+    pub fn set_stream(&mut self, stream: u64) {
+        if stream != self.stream {
+            self.stream = stream;
+            self.marks.clear();
+        }
+    }
+
+    /// Stream message `seq` has been taken at `now`: its changes (if `applied`; otherwise it
+    /// was bad input or a second copy) are all in the log.
+    ///
+    /// Marks begin with the first message applied. A replica restored from its state file
+    /// is sent again what its durable consumer had not acknowledged, and skips it as copies
+    /// its state already holds, though its log does not: position 0 is after those copies,
+    /// not before, and marking them there would hand readers over past their changes.
+    pub fn mark(&mut self, seq: u64, applied: bool, now: Instant) {
+        if self.stream == 0 || (self.marks.is_empty() && !applied) {
+            return;
+        }
+        self.marked_at = Some(now);
+        let pos = self.head();
+        match self.marks.back_mut() {
+            // A message delivered again (its acknowledgement was late): already marked.
+            Some(m) if seq <= m.last => return,
+            Some(m) if m.pos == pos => {
+                m.last = seq;
+                return;
+            }
+            _ => {}
+        }
+        self.marks.push_back(Mark {
+            first: seq,
+            last: seq,
+            pos,
+        });
+        // Keep one mark before the log's start: pages at its first positions still need it.
+        while self.marks.len() > 1 && self.marks[1].pos <= self.base {
+            self.marks.pop_front();
+        }
+    }
+
+    /// The stream position log cursor `cursor` completes: the last message whose changes all
+    /// lie before it. `None` off a stream, inside snapshots, or before the first mark.
+    pub fn mark_at(&self, cursor: u64) -> Option<StreamMark> {
+        if self.stream == 0 || cursor & SNAPSHOT_BIT != 0 {
+            return None;
+        }
+        let i = self.marks.partition_point(|m| m.pos <= cursor);
+        let m = self.marks.get(i.checked_sub(1)?)?;
+        Some(StreamMark {
+            stream: self.stream,
+            seq: m.last,
+        })
+    }
+
+    /// Where this log takes over a reader of another replica of the same stream that has
+    /// applied every message up to `at.seq`; `None`: it cannot (another stream, a position
+    /// this log no longer holds or never saw, or one too far ahead), a snapshot it is.
+    pub fn handover(&self, at: StreamMark, now: Instant) -> Option<Handover> {
+        if self.stream == 0 || at.stream != self.stream {
+            return None;
+        }
+        let last = self.marks.back()?;
+        if at.seq > last.last {
+            let applying = self
+                .marked_at
+                .is_some_and(|t| now.saturating_duration_since(t) <= MAX_WAIT_IDLE);
+            return (applying && at.seq - last.last <= MAX_WAIT_MESSAGES).then_some(Handover::Wait);
+        }
+        // The last run that began at or before `at.seq`: after it, nothing changed the log
+        // until the next run began.
+        let i = self.marks.partition_point(|m| m.first <= at.seq);
+        let m = self.marks.get(i.checked_sub(1)?)?;
+        (m.pos >= self.base).then_some(Handover::From(m.pos))
+    }
+
+    /// The stream this log's index is built from (0: none).
+    pub fn stream(&self) -> u64 {
+        self.stream
     }
 
     pub fn epoch(&self) -> u64 {
@@ -429,5 +553,80 @@ mod tests {
             }
         }
         assert_eq!(n, 1000);
+    }
+
+    fn at(seq: u64) -> StreamMark {
+        StreamMark { stream: 5, seq }
+    }
+
+    #[test]
+    fn marks_name_log_positions_in_stream_terms() {
+        let t = Instant::now();
+        let mut log = FeedLog::new(1, 100, 1 << 20);
+        log.mark(1, true, t);
+        assert_eq!(log.mark_at(0), None, "off a stream, nothing is marked");
+        log.set_stream(5);
+        // Message 10 logs two changes, 11 none, 12 one; a local change comes between.
+        log.push_change(change(0, 1, true));
+        log.push_change(change(0, 2, true));
+        log.mark(10, true, t);
+        log.mark(11, true, t);
+        log.push_op(Op::WorkerGone { id: WorkerId(3) });
+        log.push_change(change(0, 3, true));
+        log.mark(12, true, t);
+        log.mark(11, true, t); // delivered again: already marked
+        assert_eq!(log.mark_at(1), None, "inside message 10");
+        assert_eq!(log.mark_at(2), Some(at(11)), "10 and 11 end at 2");
+        assert_eq!(log.mark_at(3), Some(at(11)));
+        assert_eq!(log.mark_at(4), Some(at(12)));
+        assert_eq!(log.mark_at(SNAPSHOT_BIT | 4), None);
+        // Another replica's reader that has applied through 10 or 11 goes on from 2 (what
+        // came after, the local change included, is sent again); through 12, from 4.
+        assert_eq!(log.handover(at(10), t), Some(Handover::From(2)));
+        assert_eq!(log.handover(at(11), t), Some(Handover::From(2)));
+        assert_eq!(log.handover(at(12), t), Some(Handover::From(4)));
+        // Before the first mark, another stream: no handover. Ahead: wait, while applying.
+        assert_eq!(log.handover(at(9), t), None);
+        assert_eq!(log.handover(StreamMark { stream: 6, seq: 12 }, t), None);
+        assert_eq!(log.handover(at(13), t), Some(Handover::Wait));
+        assert_eq!(log.handover(at(12 + MAX_WAIT_MESSAGES + 1), t), None);
+        let later = t + MAX_WAIT_IDLE + Duration::from_secs(1);
+        assert_eq!(
+            log.handover(at(13), later),
+            None,
+            "stopped applying: no waiting"
+        );
+        // Another stream under way forgets the marks.
+        log.set_stream(6);
+        assert_eq!(log.mark_at(4), None);
+        // Copies skipped before anything was applied (a restored replica) mark nothing.
+        log.mark(13, false, t);
+        assert_eq!(log.mark_at(4), None);
+        log.push_change(change(0, 4, true));
+        log.mark(14, true, t);
+        assert_eq!(log.mark_at(5), Some(StreamMark { stream: 6, seq: 14 }));
+        assert_eq!(log.handover(StreamMark { stream: 6, seq: 13 }, t), None);
+        log.mark(15, false, t);
+        assert_eq!(log.mark_at(5), Some(StreamMark { stream: 6, seq: 15 }));
+    }
+
+    #[test]
+    fn marks_whose_entries_left_the_log_hand_over_nothing() {
+        let t = Instant::now();
+        let mut log = FeedLog::new(1, 4, 1 << 20);
+        log.set_stream(5);
+        for seq in 1..=10 {
+            log.push_change(change(0, seq, true));
+            log.mark(seq, true, t);
+        }
+        // The log holds positions 6..10; marks stay bounded by it (one before its start).
+        assert!(log.marks.len() <= 6, "{} marks", log.marks.len());
+        assert_eq!(log.handover(at(5), t), None, "position 5 is before the log");
+        assert_eq!(log.handover(at(6), t), Some(Handover::From(6)));
+        assert_eq!(log.mark_at(6), Some(at(6)));
+        let Reply::Page(b) = log.reply(Some(1), Some(6)) else {
+            panic!()
+        };
+        assert_eq!(Page::decode(&b).unwrap().cursor, 10);
     }
 }

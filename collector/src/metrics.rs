@@ -135,7 +135,7 @@ pub struct Metrics {
     pub feed_log_entries: Gauge,
     /// Latency of `/query` and `/query_by_hash`, seconds.
     pub query_seconds: HistogramFamily,
-    /// `/v1/feed` requests by kind (delta, snapshot).
+    /// `/v1/feed` requests by kind (delta, snapshot, handover, wait).
     pub feed_requests: Family<FeedLabels, Counter>,
     /// Bytes served by `/v1/feed`.
     pub feed_bytes: Counter,

@@ -1032,3 +1032,154 @@ async fn latency_through_nats() {
     r.stop().await;
     ingest.stop().await;
 }
+
+/// A gateway's mirror as the filter keeps it (shared data, here a [`kvroute::mirror::MemStore`])
+/// pulling `/v1/feed` over HTTP: what a handover must leave equal to a snapshot.
+struct Mirror {
+    store: kvroute::mirror::MemStore,
+    keys: kvroute::mirror::Keys,
+    limits: kvroute::mirror::Limits,
+    /// Every block key any page named.
+    seen: std::collections::BTreeSet<u64>,
+}
+
+/// How one page was taken.
+#[derive(Debug, PartialEq, Eq)]
+enum Took {
+    Snapshot,
+    Delta,
+    Handover,
+    Refused,
+}
+
+impl Mirror {
+    fn new() -> Mirror {
+        Mirror {
+            store: kvroute::mirror::MemStore::new(),
+            keys: kvroute::mirror::Keys::new("t"),
+            limits: kvroute::mirror::Limits {
+                buckets_log2: 8,
+                max_workers: 64,
+                max_bucket_keys: 4096,
+                max_models: 16,
+            },
+            seen: Default::default(),
+        }
+    }
+
+    /// Pulls from `c` until it is caught up; how each page was taken.
+    async fn pull(&mut self, c: &Collector) -> Vec<Took> {
+        use kvroute::feed::{Op, Page};
+        use kvroute::mirror::{apply_page, read_state, SyncError};
+        let mut took = Vec::new();
+        for _ in 0..1000 {
+            let (state, _) = read_state(&self.store, &self.keys).unwrap();
+            let url = format!("http://{}/v1/feed{}", c.addr, state.feed_query());
+            let body = reqwest::get(url).await.unwrap().bytes().await.unwrap();
+            let page = Page::decode(&body).unwrap();
+            for op in &page.ops {
+                if let Op::Blocks { keys, .. } = op {
+                    self.seen.extend(keys.iter().map(|k| k.0));
+                }
+            }
+            let kind = if page.is_reset() {
+                Took::Snapshot
+            } else if page.is_handover() {
+                Took::Handover
+            } else {
+                Took::Delta
+            };
+            match apply_page(&self.store, &self.keys, &self.limits, &page, 1) {
+                Ok(a) => {
+                    took.push(kind);
+                    if !a.more {
+                        return took;
+                    }
+                }
+                Err(SyncError::HandoverRefused(_) | SyncError::EpochMismatch { .. }) => {
+                    took.push(Took::Refused)
+                }
+                Err(e) => panic!("page not applied: {e}"),
+            }
+        }
+        panic!("never caught up: {took:?}");
+    }
+
+    /// The holders of `key` in the mirror's active index.
+    fn holders(&self, key: u64) -> Vec<(kvroute::event::WorkerId, kvroute::lookup::TierMask)> {
+        use kvroute::lookup::HolderView;
+        let (state, _) = kvroute::mirror::read_state(&self.store, &self.keys).unwrap();
+        let view = kvroute::mirror::BucketView::new(
+            &self.store,
+            &self.keys,
+            &state,
+            self.limits.buckets_log2,
+        );
+        let mut out = Vec::new();
+        view.holders(kvroute::scope::BlockKey(key), &mut out);
+        out
+    }
+}
+
+/// Issue 23: a gateway that followed one index replica goes on from another replica of the
+/// same stream without a snapshot, and ends with the index a snapshot would give it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_replica_of_the_stream_takes_a_reader_over_without_a_snapshot() {
+    let nats = Nats::start().await;
+    let url = nats.url();
+    let ingest = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
+    let r1 = Collector::start(config(Some(bus(&url, Role::Index, "r1")))).await;
+    let r2 = Collector::start(config(Some(bus(&url, Role::Index, "r2")))).await;
+    let direct = Collector::start(config(None)).await;
+    let mut a = publisher(EventFormat::Vllm033, ReplayShape::New).await;
+    let mut b = publisher(EventFormat::Sglang, ReplayShape::New).await;
+    register(&ingest.state, &[("a", &a), ("b", &b)]);
+    registered(&r1.state, 2).await;
+    registered(&r2.state, 2).await;
+    let prompts = traffic(&a, &b, 0, 20);
+    for r in [&r1, &r2] {
+        until_both(&r.state, &mut a, &mut b, &prompts[19]).await;
+    }
+    let mut gw = Mirror::new();
+    assert_eq!(gw.pull(&r1).await[0], Took::Snapshot);
+    // The stream goes on (stores, removals, a clear) while the gateway does not pull: it
+    // is behind when r1 goes away, and r2 has moved on.
+    a.publish_events(&[KvEvent::AllBlocksCleared]);
+    let more = traffic(&a, &b, 1, 10);
+    for r in [&r1, &r2] {
+        until_both(&r.state, &mut a, &mut b, &more[9]).await;
+    }
+    converge(&r1.state, &r2.state, &prompts).await;
+    r1.stop().await;
+    let took = gw.pull(&r2).await;
+    assert_eq!(took[0], Took::Handover, "{took:?}");
+    assert!(!took.contains(&Took::Snapshot), "{took:?}");
+    // What a gateway that starts on r2 now gets from its snapshot.
+    let mut fresh = Mirror::new();
+    assert_eq!(fresh.pull(&r2).await[0], Took::Snapshot);
+    let keys: Vec<u64> = gw.seen.union(&fresh.seen).copied().collect();
+    assert!(keys.len() > 40, "{} keys", keys.len());
+    let differ: Vec<u64> = keys
+        .iter()
+        .copied()
+        .filter(|&k| gw.holders(k) != fresh.holders(k))
+        .collect();
+    assert!(
+        differ.is_empty(),
+        "{} of {} keys differ",
+        differ.len(),
+        keys.len()
+    );
+    // Its next pulls are plain deltas of r2.
+    let last = traffic(&a, &b, 2, 3);
+    until_both(&r2.state, &mut a, &mut b, &last[2]).await;
+    let took = gw.pull(&r2).await;
+    assert!(took.iter().all(|t| *t == Took::Delta), "{took:?}");
+    // A collector not on the stream cannot take it over: a snapshot.
+    register(&direct.state, &[("a", &a), ("b", &b)]);
+    let took = gw.pull(&direct).await;
+    assert_eq!(took[0], Took::Snapshot, "{took:?}");
+    for c in [r2, ingest, direct] {
+        c.stop().await;
+    }
+}

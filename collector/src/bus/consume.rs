@@ -20,7 +20,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer};
 use futures_util::StreamExt;
@@ -37,6 +37,13 @@ use crate::shared::Shared;
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// How long a delivered, unacknowledged message waits before it is delivered again.
 const ACK_WAIT: Duration = Duration::from_secs(5);
+/// Most messages, and bytes, one pull asks for. The client's default (200 messages, no byte
+/// bound) lets a replica catching up after a restart buffer up to 200 maximum-size messages
+/// (200 MiB at a 1 MiB `max_payload`) before it has applied one. The byte bound is at least
+/// two of the largest messages the server takes: a pull whose bound is below one message would
+/// never deliver it.
+const PULL_MESSAGES: usize = 64;
+const PULL_BYTES: usize = 8 << 20;
 
 /// What the consumer knows per worker: the last engine sequence number applied, under the
 /// registration it was applied to (a worker unregistered and registered again, or another
@@ -76,18 +83,25 @@ pub async fn run(shared: Arc<Shared>, bus: Arc<Bus>, js: jetstream::Context) {
     let mut backoff = Duration::from_millis(100);
     loop {
         match open(&bus, &js, start).await {
-            Ok(c) => {
+            Ok((c, stream)) => {
                 start = None;
+                shared.write().feed.set_stream(stream);
                 bus.set_consumer_problem(None);
                 info!(durable = %bus.config.durable, "nats: consuming the stream");
-                match c.messages().await {
+                let pulled = c
+                    .stream()
+                    .max_messages_per_batch(PULL_MESSAGES)
+                    .max_bytes_per_batch(PULL_BYTES.max(2 * js.client().server_info().max_payload))
+                    .messages()
+                    .await;
+                match pulled {
                     Ok(mut messages) => {
                         backoff = Duration::from_millis(100);
                         let limit = publish::message_limit(&bus, &js);
                         while let Some(m) = messages.next().await {
                             match m {
                                 Ok(msg) => {
-                                    on_message(
+                                    let applied = on_message(
                                         &shared,
                                         &registry,
                                         &mut follow,
@@ -97,6 +111,11 @@ pub async fn run(shared: Arc<Shared>, bus: Arc<Bus>, js: jetstream::Context) {
                                     .await;
                                     if let Ok(info) = msg.info() {
                                         bus.set_applied(info.stream_sequence);
+                                        shared.write().feed.mark(
+                                            info.stream_sequence,
+                                            applied,
+                                            Instant::now(),
+                                        );
                                     }
                                     if let Err(e) = msg.ack().await {
                                         debug!(error = %e, "nats: ack failed");
@@ -132,17 +151,29 @@ enum Start {
     After(u64),
 }
 
-/// The durable consumer; `start`: see [`Start`], `None` to take it as it is.
+/// The identity of a stream for feed handovers ([`kvroute::feed::StreamMark`]): its name
+/// and creation time, so that replicas of one stream agree and a stream deleted and made
+/// again under the same name is another. Never 0.
+fn stream_identity(info: &async_nats::jetstream::stream::Info) -> u64 {
+    let created = info.created.unix_timestamp_nanos();
+    let mut bytes = info.config.name.as_bytes().to_vec();
+    bytes.extend_from_slice(&created.to_le_bytes());
+    xxhash_rust::xxh3::xxh3_64(&bytes).max(1)
+}
+
+/// The durable consumer and its stream's identity; `start`: see [`Start`], `None` to take
+/// it as it is.
 async fn open(
     bus: &Bus,
     js: &jetstream::Context,
     start: Option<Start>,
-) -> Result<consumer::PullConsumer, String> {
+) -> Result<(consumer::PullConsumer, u64), String> {
     publish::ensure_stream(bus, js).await;
     let stream = js
         .get_stream(&bus.config.stream)
         .await
         .map_err(|e| e.to_string())?;
+    let identity = stream_identity(stream.cached_info());
     let existing = stream
         .get_consumer::<consumer::pull::Config>(&bus.config.durable)
         .await
@@ -166,7 +197,7 @@ async fn open(
             .await
             .map_err(|e| e.to_string())?;
     } else if let Some(c) = existing {
-        return Ok(c);
+        return Ok((c, identity));
     }
     stream
         .get_or_create_consumer(
@@ -181,33 +212,35 @@ async fn open(
             },
         )
         .await
+        .map(|c| (c, identity))
         .map_err(|e| e.to_string())
 }
 
-/// Applies one stream message; bad input is counted and skipped.
+/// Applies one stream message; bad input is counted and skipped. Returns whether the
+/// message was applied (not bad input, nor a second copy of what the index already holds).
 async fn on_message(
     shared: &Arc<Shared>,
     registry: &registry::Registry,
     follow: &mut Follow,
     limit: usize,
     payload: &bytes::Bytes,
-) {
+) -> bool {
     if payload.len() > limit {
         count(&shared.metrics, "in", "too_large");
-        return;
+        return false;
     }
     let env = match wire::decode(payload) {
         Ok(e) => e,
         Err(e) => {
             debug!(error = %e, "nats: undecodable message");
             count(&shared.metrics, "in", "undecodable");
-            return;
+            return false;
         }
     };
     let Some(id) = registry::resolve(shared, registry, &env.instance_id, env.dp_rank).await else {
         debug!(instance = %env.instance_id, dp = env.dp_rank, "nats: message for an unknown worker");
         count(&shared.metrics, "in", "unknown_worker");
-        return;
+        return false;
     };
     let generation = shared.read().worker(id).map_or(0, |w| w.generation);
     match env.kind {
@@ -215,7 +248,7 @@ async fn on_message(
             match follow.get(id, generation) {
                 Some(last) if env.seq <= last => {
                     count(&shared.metrics, "in", "duplicate");
-                    return;
+                    return false;
                 }
                 Some(last) if env.seq > last + 1 => {
                     warn!(instance = %env.instance_id, last, seq = env.seq, "nats: sequence gap");
@@ -240,6 +273,7 @@ async fn on_message(
                 Err(e) => {
                     debug!(error = %e, "nats: batch payload does not decode");
                     count(&shared.metrics, "in", "undecodable");
+                    return false;
                 }
             }
         }
@@ -264,4 +298,5 @@ async fn on_message(
         }
     }
     shared.notify();
+    true
 }

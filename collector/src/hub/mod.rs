@@ -20,8 +20,8 @@ pub use ingest::{IngestJob, IngestReport, EVENT_TYPES};
 pub use persist::{SavedAlias, SavedWorker, StateFile, STATE_VERSION};
 pub use store::Hub;
 pub use types::{
-    EventStream, HubConfig, HubError, Limit, LimitCounts, Limits, Registered, WorkerInfo,
-    WorkerStatus, WorkerView, MAX_NAME_BYTES, MAX_WORKERS,
+    EventStream, HandoverReply, HubConfig, HubError, Limit, LimitCounts, Limits, Registered,
+    WorkerInfo, WorkerStatus, WorkerView, MAX_NAME_BYTES, MAX_WORKERS,
 };
 
 #[cfg(test)]

@@ -4,13 +4,13 @@
 use std::collections::BTreeMap;
 
 use kvroute::api::{InstanceMatch, QueryResponse};
-use kvroute::feed::Op;
+use kvroute::feed::{Op, Page, StreamMark};
 use kvroute::hash;
 use kvroute::scope::{BlockKey, ModelKey, Scope, DEFAULT_TENANT};
 
 use super::store::{worker_op, Hub};
-use super::types::{HubError, WorkerView};
-use crate::feedlog::Reply;
+use super::types::{HandoverReply, HubError, WorkerView};
+use crate::feedlog::{Handover, Reply};
 use crate::metrics::Metrics;
 
 impl Hub {
@@ -171,8 +171,49 @@ impl Hub {
         }
     }
 
-    /// Builds the feed's full snapshot from the current state.
-    pub fn build_snapshot(&mut self) {
+    /// The answer to a reader of another replica of this index's stream that has applied it up
+    /// to `at` and followed that replica's `epoch` to `since`: a handover page, an empty page
+    /// in the reader's own epoch when this replica has not yet reached its position, or `None`
+    /// (a snapshot; also for a reader of this replica's own epoch, which needs no handover).
+    pub fn feed_handover(
+        &self,
+        epoch: u64,
+        since: u64,
+        at: StreamMark,
+        now: std::time::Instant,
+    ) -> Option<HandoverReply> {
+        if epoch == self.feed.epoch() {
+            return None;
+        }
+        Some(match self.feed.handover(at, now)? {
+            Handover::From(cursor) => HandoverReply::Taken(bytes::Bytes::from(
+                Page {
+                    flags: Page::HANDOVER
+                        | if cursor < self.feed.head() {
+                            Page::MORE
+                        } else {
+                            0
+                        },
+                    epoch: self.feed.epoch(),
+                    cursor,
+                    ops: self.table_ops(),
+                }
+                .to_bytes(),
+            )),
+            Handover::Wait => HandoverReply::Wait(bytes::Bytes::from(
+                Page {
+                    flags: 0,
+                    epoch,
+                    cursor: since,
+                    ops: Vec::new(),
+                }
+                .to_bytes(),
+            )),
+        })
+    }
+
+    /// The worker table, block sizes and aliases as feed ops: a snapshot's first ops.
+    fn table_ops(&self) -> Vec<Op> {
         let mut table: Vec<Op> = self.workers().map(worker_op).collect();
         for (model, bs) in self.sizes.iter() {
             table.push(Op::BlockSize {
@@ -189,6 +230,12 @@ impl Hub {
                 lora: a.lora.clone(),
             });
         }
+        table
+    }
+
+    /// Builds the feed's full snapshot from the current state.
+    pub fn build_snapshot(&mut self) {
+        let table = self.table_ops();
         let index = &self.index;
         self.feed.build_snapshot(table, |f| index.for_each_hold(f));
     }

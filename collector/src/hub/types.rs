@@ -246,3 +246,12 @@ impl LimitCounts {
             .filter(|&(_, n)| n > 0)
     }
 }
+
+/// See [`Hub::feed_handover`](super::Hub::feed_handover).
+#[derive(Debug)]
+pub enum HandoverReply {
+    /// A [`Page::HANDOVER`](kvroute::feed::Page::HANDOVER) page: the reader goes on from this replica's log.
+    Taken(bytes::Bytes),
+    /// Nothing new yet: the reader keeps its position and asks again.
+    Wait(bytes::Bytes),
+}
