@@ -108,8 +108,9 @@ impl Root {
     }
 
     /// One more failed pull; after [`FAILOVER_AFTER`] in a row, the next feed cluster
-    /// takes over. Its epoch differs unless it shares the event stream, so the next page is
-    /// then a snapshot switched in whole, and until it is the index already held serves.
+    /// takes over. A collector of the same NATS stream takes the cursor over (a handover
+    /// page: no snapshot); any other answers a snapshot, switched in whole, and until it is
+    /// the index already held serves.
     fn feed_failed(&mut self, vm: &Vm) {
         self.feed_failures += 1;
         let clusters = &vm.config().feed_clusters;
@@ -185,6 +186,14 @@ impl Root {
             Ok(applied) => {
                 self.blocks_this_tick += applied.stats.blocks;
                 host::increment_metric(vm.metrics.bucket_full, applied.stats.bucket_full as i64);
+                if applied.handover {
+                    host::increment_metric(vm.metrics.handovers, 1);
+                    log::info!(
+                        "kvroute: feed taken over by another collector of the stream (epoch {}, cursor {})",
+                        page.epoch,
+                        page.cursor
+                    );
+                }
                 if applied.switched {
                     host::increment_metric(vm.metrics.resyncs, 1);
                     log::info!(
@@ -197,8 +206,9 @@ impl Root {
                     self.pull(vm);
                 }
             }
-            Err(SyncError::EpochMismatch { .. }) => {
+            Err(e @ (SyncError::EpochMismatch { .. } | SyncError::HandoverRefused(_))) => {
                 // The cursor was dropped: ask for a snapshot right away.
+                log::info!("kvroute: {e}; asking for a snapshot");
                 self.pull(vm);
             }
             Err(e) => {

@@ -26,6 +26,8 @@ pub(crate) struct Metrics {
     pub bucket_full: Option<u32>,
     pub load_errors: Option<u32>,
     pub resyncs: Option<u32>,
+    /// Feed cursors taken over by another collector of the same stream (no snapshot).
+    pub handovers: Option<u32>,
     pub speculative_evictions: Option<u32>,
     pub load_reports: Option<u32>,
     pub load_report_errors: Option<u32>,
@@ -71,6 +73,7 @@ impl Metrics {
             bucket_full: c("kvroute.bucket_full"),
             load_errors: c("kvroute.load_errors"),
             resyncs: c("kvroute.resyncs"),
+            handovers: c("kvroute.feed_handovers"),
             speculative_evictions: c("kvroute.speculative_evictions"),
             load_reports: c("kvroute.load_reports"),
             load_report_errors: c("kvroute.load_report_errors"),
