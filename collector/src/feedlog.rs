@@ -74,8 +74,14 @@ pub struct FeedLog {
     stream: u64,
     /// Stream messages applied, as runs that end at the same log position, oldest first.
     marks: VecDeque<Mark>,
-    /// When the last one was.
-    marked_at: Option<Instant>,
+    /// The last stream message taken (applied or skipped as a copy), or where the consumer
+    /// began: a reader ahead of it waits, one at or behind it with no mark gets a snapshot.
+    taken: u64,
+    /// The log's head when `taken` was, while nothing is marked yet.
+    taken_pos: u64,
+    /// When the consumer last made progress (opened, took a message), or, before it has
+    /// opened, when this index replica began expecting it.
+    active_at: Option<Instant>,
 }
 
 /// Stream messages `first..=last` applied, their changes all before log position `pos` (and
@@ -117,17 +123,35 @@ impl FeedLog {
             next_snapshot: 1,
             stream: 0,
             marks: VecDeque::new(),
-            marked_at: None,
+            taken: 0,
+            taken_pos: 0,
+            active_at: None,
         }
     }
 
-    /// The stream the index is built from from now on (its identity, never 0). Another
-    /// stream forgets the marks of the last.
-    pub fn set_stream(&mut self, stream: u64) {
+    /// This collector builds its index from a stream whose consumer has not opened yet (a
+    /// replica starting): a reader of another replica waits a little rather than taking a
+    /// snapshot from an index that is about to catch up.
+    pub fn expect_stream(&mut self, now: Instant) {
+        if self.stream == 0 {
+            self.active_at = Some(now);
+        }
+    }
+
+    /// The stream the index is built from from now on (its identity, never 0), its consumer
+    /// opened at `now` to deliver the messages after `start` (`None`: where it left off).
+    /// Another stream forgets the marks of the last.
+    pub fn set_stream(&mut self, stream: u64, start: Option<u64>, now: Instant) {
         if stream != self.stream {
             self.stream = stream;
             self.marks.clear();
+            self.taken = 0;
         }
+        if let Some(start) = start.filter(|&s| s > self.taken) {
+            self.taken = start;
+            self.taken_pos = self.head();
+        }
+        self.active_at = Some(now);
     }
 
     /// Stream message `seq` has been taken at `now`: its changes (if `applied`; otherwise it
@@ -135,13 +159,30 @@ impl FeedLog {
     ///
     /// Marks begin with the first message applied. A replica restored from its state file
     /// is sent again what its durable consumer had not acknowledged, and skips it as copies
-    /// its state already holds, though its log does not: position 0 is after those copies,
-    /// not before, and marking them there would hand readers over past their changes.
+    /// its state already holds, though its log does not: a reader behind the last copy lacks
+    /// changes this log never had. The first message applied shows where the state file
+    /// ended (the message taken before it), and a reader exactly there goes on from the
+    /// position the log had then.
     pub fn mark(&mut self, seq: u64, applied: bool, now: Instant) {
-        if self.stream == 0 || (self.marks.is_empty() && !applied) {
+        if self.stream == 0 {
             return;
         }
-        self.marked_at = Some(now);
+        self.active_at = Some(now);
+        if self.marks.is_empty() {
+            if !applied {
+                self.taken = self.taken.max(seq);
+                self.taken_pos = self.head();
+                return;
+            }
+            if 0 < self.taken && self.taken < seq {
+                self.marks.push_back(Mark {
+                    first: self.taken,
+                    last: self.taken,
+                    pos: self.taken_pos,
+                });
+            }
+        }
+        self.taken = self.taken.max(seq);
         let pos = self.head();
         match self.marks.back_mut() {
             // A message delivered again (its acknowledgement was late): already marked.
@@ -181,21 +222,31 @@ impl FeedLog {
     /// applied every message up to `at.seq`; `None`: it cannot (another stream, a position
     /// this log no longer holds or never saw, or one too far ahead), a snapshot it is.
     pub fn handover(&self, at: StreamMark, now: Instant) -> Option<Handover> {
-        if self.stream == 0 || at.stream != self.stream {
+        let active = self
+            .active_at
+            .is_some_and(|t| now.saturating_duration_since(t) <= MAX_WAIT_IDLE);
+        if self.stream == 0 {
+            // Starting: which stream is not known yet, so the wait is bounded by time alone.
+            return active.then_some(Handover::Wait);
+        }
+        if at.stream != self.stream {
             return None;
         }
-        let last = self.marks.back()?;
-        if at.seq > last.last {
-            let applying = self
-                .marked_at
-                .is_some_and(|t| now.saturating_duration_since(t) <= MAX_WAIT_IDLE);
-            return (applying && at.seq - last.last <= MAX_WAIT_MESSAGES).then_some(Handover::Wait);
+        match self.marks.back() {
+            Some(last) if at.seq <= last.last => {
+                // The last run that began at or before `at.seq`: after it, nothing changed the
+                // log until the next run began.
+                let i = self.marks.partition_point(|m| m.first <= at.seq);
+                let m = self.marks.get(i.checked_sub(1)?)?;
+                (m.pos >= self.base).then_some(Handover::From(m.pos))
+            }
+            // Behind what this replica has taken and no mark: the changes the reader lacks
+            // are in this index but not in its log (copies its state file held).
+            _ if at.seq < self.taken => None,
+            // Exactly there with no mark yet: the next message applied tells whether the
+            // state file ended there too (see `mark`).
+            _ => (active && at.seq - self.taken <= MAX_WAIT_MESSAGES).then_some(Handover::Wait),
         }
-        // The last run that began at or before `at.seq`: after it, nothing changed the log
-        // until the next run began.
-        let i = self.marks.partition_point(|m| m.first <= at.seq);
-        let m = self.marks.get(i.checked_sub(1)?)?;
-        (m.pos >= self.base).then_some(Handover::From(m.pos))
     }
 
     /// The stream this log's index is built from (0: none).
@@ -565,7 +616,7 @@ mod tests {
         let mut log = FeedLog::new(1, 100, 1 << 20);
         log.mark(1, true, t);
         assert_eq!(log.mark_at(0), None, "off a stream, nothing is marked");
-        log.set_stream(5);
+        log.set_stream(5, Some(0), t);
         // Message 10 logs two changes, 11 none, 12 one; a local change comes between.
         log.push_change(change(0, 1, true));
         log.push_change(change(0, 2, true));
@@ -597,7 +648,7 @@ mod tests {
             "stopped applying: no waiting"
         );
         // Another stream under way forgets the marks.
-        log.set_stream(6);
+        log.set_stream(6, None, t);
         assert_eq!(log.mark_at(4), None);
         // Copies skipped before anything was applied (a restored replica) mark nothing.
         log.mark(13, false, t);
@@ -605,16 +656,70 @@ mod tests {
         log.push_change(change(0, 4, true));
         log.mark(14, true, t);
         assert_eq!(log.mark_at(5), Some(StreamMark { stream: 6, seq: 14 }));
-        assert_eq!(log.handover(StreamMark { stream: 6, seq: 13 }, t), None);
+        // A reader where the copies ended goes on from the position then; one before, not.
+        assert_eq!(
+            log.handover(StreamMark { stream: 6, seq: 13 }, t),
+            Some(Handover::From(4))
+        );
+        assert_eq!(log.handover(StreamMark { stream: 6, seq: 12 }, t), None);
         log.mark(15, false, t);
         assert_eq!(log.mark_at(5), Some(StreamMark { stream: 6, seq: 15 }));
+    }
+
+    #[test]
+    fn a_restored_replica_asks_a_reader_ahead_of_it_to_wait_then_takes_it_over() {
+        let t = Instant::now();
+        let mut log = FeedLog::new(2, 100, 1 << 20);
+        // Started, consumer not open yet: wait, for a while.
+        assert_eq!(log.handover(at(30), t), None, "not an index replica");
+        log.expect_stream(t);
+        assert_eq!(log.handover(at(30), t), Some(Handover::Wait));
+        let later = t + MAX_WAIT_IDLE + Duration::from_secs(1);
+        assert_eq!(log.handover(at(30), later), None, "the consumer never came");
+        // Its state file held messages through 20 at least: the durable goes on after 20.
+        log.set_stream(5, Some(20), t);
+        assert_eq!(log.handover(at(30), t), Some(Handover::Wait));
+        assert_eq!(
+            log.handover(at(19), t),
+            None,
+            "behind the state file: snapshot"
+        );
+        // 21 and 22 were in the state file after all (copies); 23 on are applied.
+        log.push_op(Op::WorkerGone { id: WorkerId(9) }); // a local change, position 0
+        log.mark(21, false, t);
+        log.mark(22, false, t);
+        assert_eq!(
+            log.handover(at(21), t),
+            None,
+            "the state holds 22, the log does not"
+        );
+        assert_eq!(
+            log.handover(at(22), t),
+            Some(Handover::Wait),
+            "22 may be its end"
+        );
+        assert_eq!(log.handover(at(30), t), Some(Handover::Wait));
+        for seq in 23..=29 {
+            log.push_change(change(0, seq, true));
+            log.mark(seq, true, t);
+        }
+        assert_eq!(log.handover(at(30), t), Some(Handover::Wait));
+        log.push_change(change(0, 30, true));
+        log.mark(30, true, t);
+        // Messages 23..=30 are at positions 1..9: the reader at 30 goes on from 9, one at
+        // 22 (where the state file ended) from 1, one at 20 or 21 nowhere.
+        assert_eq!(log.handover(at(30), t), Some(Handover::From(9)));
+        assert_eq!(log.handover(at(26), t), Some(Handover::From(5)));
+        assert_eq!(log.handover(at(22), t), Some(Handover::From(1)));
+        assert_eq!(log.handover(at(21), t), None);
+        assert_eq!(log.handover(at(31), later), None, "idle: no waiting");
     }
 
     #[test]
     fn marks_whose_entries_left_the_log_hand_over_nothing() {
         let t = Instant::now();
         let mut log = FeedLog::new(1, 4, 1 << 20);
-        log.set_stream(5);
+        log.set_stream(5, Some(0), t);
         for seq in 1..=10 {
             log.push_change(change(0, seq, true));
             log.mark(seq, true, t);

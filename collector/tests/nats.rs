@@ -405,6 +405,57 @@ async fn restarted_index_replica_resumes_from_its_durable_consumer() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_replica_takes_its_reader_over_without_a_snapshot() {
+    let nats = Nats::start().await;
+    let url = nats.url();
+    let dir = tempfile::tempdir().unwrap();
+    let replica_config = || Config {
+        state_dir: Some(dir.path().to_owned()),
+        ..config(Some(bus(&url, Role::Index, "restarting")))
+    };
+    let ingest = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
+    let r = Collector::start(replica_config()).await;
+    let mut a = publisher(EventFormat::Vllm033, ReplayShape::New).await;
+    let mut b = publisher(EventFormat::Sglang, ReplayShape::New).await;
+    register(&ingest.state, &[("a", &a), ("b", &b)]);
+    registered(&r.state, 2).await;
+    let mut prompts = traffic(&a, &b, 0, 20);
+    until_both(&r.state, &mut a, &mut b, &prompts[19]).await;
+    let mut gw = Mirror::new();
+    assert_eq!(gw.pull(&r).await[0], Took::Snapshot);
+    r.stop().await;
+    // While the replica is away the stream goes on.
+    a.publish_events(&[KvEvent::AllBlocksCleared]);
+    prompts.extend(traffic(&a, &b, 1, 10));
+    until_both(&ingest.state, &mut a, &mut b, prompts.last().unwrap()).await;
+    let r = Collector::start(replica_config()).await;
+    // The gateway asks at once: it waits (empty deltas) until the replica has caught up
+    // with where it was, then is taken over, then follows the rest as deltas.
+    let mut all = Vec::new();
+    let until = tokio::time::Instant::now() + DEADLINE;
+    while !all.contains(&Took::Handover) {
+        assert!(tokio::time::Instant::now() < until, "no handover: {all:?}");
+        all.extend(gw.pull(&r).await);
+        assert!(!all.contains(&Took::Snapshot), "{all:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    converge(&r.state, &ingest.state, &prompts).await;
+    let took = gw.pull(&r).await;
+    assert!(!took.contains(&Took::Snapshot), "{took:?}");
+    let mut fresh = Mirror::new();
+    assert_eq!(fresh.pull(&r).await[0], Took::Snapshot);
+    let keys: Vec<u64> = gw.seen.union(&fresh.seen).copied().collect();
+    assert!(keys.len() > 40, "{} keys", keys.len());
+    let differ = keys
+        .iter()
+        .filter(|&&k| gw.holders(k) != fresh.holders(k))
+        .count();
+    assert_eq!(differ, 0, "{differ} of {} keys differ", keys.len());
+    r.stop().await;
+    ingest.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_on_the_bus_is_counted_and_skipped() {
     let nats = Nats::start().await;
     let url = nats.url();

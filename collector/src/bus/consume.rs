@@ -84,8 +84,13 @@ pub async fn run(shared: Arc<Shared>, bus: Arc<Bus>, js: jetstream::Context) {
     loop {
         match open(&bus, &js, start).await {
             Ok((c, stream)) => {
+                let from = match start {
+                    Some(Start::After(seq)) => Some(seq),
+                    Some(Start::Over) => Some(0),
+                    None => None,
+                };
+                shared.write().feed.set_stream(stream, from, Instant::now());
                 start = None;
-                shared.write().feed.set_stream(stream);
                 bus.set_consumer_problem(None);
                 info!(durable = %bus.config.durable, "nats: consuming the stream");
                 let pulled = c

@@ -28,6 +28,11 @@ pub fn spawn(shared: &Arc<Shared>) -> Tasks {
     let Some(bus) = shared.bus.clone() else {
         return Tasks::default();
     };
+    if !bus.config.role.ingests() {
+        // Before the listener serves: a reader of another replica that asks this one while
+        // it starts waits for the stream rather than taking a snapshot.
+        shared.write().feed.expect_stream(std::time::Instant::now());
+    }
     let shared = shared.clone();
     Tasks(vec![tokio::spawn(async move {
         let client = match connect(&bus).await {
