@@ -54,9 +54,10 @@ INGESTS, INDEXES, ENGINES, GATEWAYS = 2, 3, 16, 2
 # The short run's bound on the reach lost after collector kills (see the README's figures).
 SHORT_REACH_MARGIN = 0.15
 # Every collector's feed log (default 1,000,000 entries). The log is bounded and fills at
-# ~80,000 entries a minute here: at the default it would still be filling when a collector
-# the chaos restarts is killed again (~5 minutes later), and its RSS growth would measure the
-# filling, not a leak. Sized as an operator would for this fleet, it is full within 3 minutes.
+# ~40,000 entries a minute at speed 0.8 (5 Dec: a replica 180 s after its restart held
+# 117,164): at the default it would still be filling when a collector the chaos restarts is
+# killed again, and its RSS growth would measure the filling, not a leak. Sized as an
+# operator would for this fleet, it is full about 5 minutes after a start.
 FEED_LOG_ENTRIES = 200_000
 
 
