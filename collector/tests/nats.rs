@@ -368,7 +368,7 @@ async fn ingest_processes_split_the_engines_and_take_over_a_stopped_ones() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn restarted_index_replica_resumes_from_its_durable_consumer() {
+async fn restarted_index_replica_resumes_from_its_durable_consumer_and_keeps_its_readers() {
     let nats = Nats::start().await;
     let url = nats.url();
     let dir = tempfile::tempdir().unwrap();
@@ -387,12 +387,26 @@ async fn restarted_index_replica_resumes_from_its_durable_consumer() {
     until_both(&ingest.state, &mut a, &mut b, &last).await;
     converge(&r.state, &ingest.state, &prompts).await;
     let first_run = r.bus_count("in", "applied");
+    // A gateway follows the replica up to here.
+    let mut gw = Mirror::new();
+    assert_eq!(gw.pull(&r).await[0], Took::Snapshot);
     r.stop().await;
-    // While the replica is away: more events, into the stream only.
+    // While the replica is away: more events (a clear among them), into the stream only.
+    a.publish_events(&[KvEvent::AllBlocksCleared]);
     prompts.extend(traffic(&a, &b, 1, 5));
     let last = prompts.last().unwrap().clone();
     until_both(&ingest.state, &mut a, &mut b, &last).await;
     let r = Collector::start(replica_config()).await;
+    // The gateway asks at once: it waits (empty deltas) until the replica has caught up with
+    // where it was, then is taken over, never sent a snapshot.
+    let mut took = Vec::new();
+    let until = tokio::time::Instant::now() + DEADLINE;
+    while !took.contains(&Took::Handover) {
+        assert!(tokio::time::Instant::now() < until, "no handover: {took:?}");
+        took.extend(gw.pull(&r).await);
+        assert!(!took.contains(&Took::Snapshot), "{took:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     converge(&r.state, &ingest.state, &prompts).await;
     // It resumed after what it had acknowledged: the first run's batches were not applied again.
     let second_run = r.bus_count("in", "applied");
@@ -400,46 +414,7 @@ async fn restarted_index_replica_resumes_from_its_durable_consumer() {
         second_run < first_run / 2,
         "the restarted replica applied {second_run} messages (first run: {first_run}): not resumed"
     );
-    r.stop().await;
-    ingest.stop().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_replica_takes_its_reader_over_without_a_snapshot() {
-    let nats = Nats::start().await;
-    let url = nats.url();
-    let dir = tempfile::tempdir().unwrap();
-    let replica_config = || Config {
-        state_dir: Some(dir.path().to_owned()),
-        ..config(Some(bus(&url, Role::Index, "restarting")))
-    };
-    let ingest = Collector::start(config(Some(bus(&url, Role::Ingest, "unused")))).await;
-    let r = Collector::start(replica_config()).await;
-    let mut a = publisher(EventFormat::Vllm033, ReplayShape::New).await;
-    let mut b = publisher(EventFormat::Sglang, ReplayShape::New).await;
-    register(&ingest.state, &[("a", &a), ("b", &b)]);
-    registered(&r.state, 2).await;
-    let mut prompts = traffic(&a, &b, 0, 20);
-    until_both(&r.state, &mut a, &mut b, &prompts[19]).await;
-    let mut gw = Mirror::new();
-    assert_eq!(gw.pull(&r).await[0], Took::Snapshot);
-    r.stop().await;
-    // While the replica is away the stream goes on.
-    a.publish_events(&[KvEvent::AllBlocksCleared]);
-    prompts.extend(traffic(&a, &b, 1, 10));
-    until_both(&ingest.state, &mut a, &mut b, prompts.last().unwrap()).await;
-    let r = Collector::start(replica_config()).await;
-    // The gateway asks at once: it waits (empty deltas) until the replica has caught up
-    // with where it was, then is taken over, then follows the rest as deltas.
-    let mut all = Vec::new();
-    let until = tokio::time::Instant::now() + DEADLINE;
-    while !all.contains(&Took::Handover) {
-        assert!(tokio::time::Instant::now() < until, "no handover: {all:?}");
-        all.extend(gw.pull(&r).await);
-        assert!(!all.contains(&Took::Snapshot), "{all:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    converge(&r.state, &ingest.state, &prompts).await;
+    // The gateway's index, followed on from the handover, is what a fresh snapshot gives.
     let took = gw.pull(&r).await;
     assert!(!took.contains(&Took::Snapshot), "{took:?}");
     let mut fresh = Mirror::new();
