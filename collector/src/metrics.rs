@@ -47,7 +47,7 @@ pub struct BusLabels {
 }
 
 /// Every `outcome` label of [`Metrics::replays`].
-pub const REPLAY_OUTCOMES: [&str; 3] = ["ok", "timeout", "error"];
+pub const REPLAY_OUTCOMES: [&str; 4] = ["ok", "timeout", "error", "restarted"];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {

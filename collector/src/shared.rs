@@ -127,7 +127,25 @@ impl Shared {
     /// `--ingest-slice-blocks` blocks with the lock released in between, so queries and other
     /// engines go on while a huge batch is applied; then counts what it did. Returns that.
     pub async fn apply_batch(&self, source: WorkerId, seq: u64, batch: Batch) -> IngestReport {
-        let mut job = IngestJob::new(source, seq, batch);
+        self.run_job(IngestJob::new(source, seq, batch)).await
+    }
+
+    /// [`Shared::apply_batch`] for a batch from an engine's publisher: `payload_hash` (xxh3
+    /// of the message's payload) is kept with its sequence number, so a reconnection can tell
+    /// the same engine from a restarted one.
+    pub async fn apply_engine_batch(
+        &self,
+        source: WorkerId,
+        seq: u64,
+        payload_hash: u64,
+        batch: Batch,
+    ) -> IngestReport {
+        self.run_job(IngestJob::new(source, seq, batch).with_payload_hash(payload_hash))
+            .await
+    }
+
+    async fn run_job(&self, mut job: IngestJob) -> IngestReport {
+        let source = job.source();
         lock(&self.ingesting).insert(source, Instant::now());
         while !self.write().ingest(&mut job) {
             // Let the readers and writers that queued on the lock in before the next slice.

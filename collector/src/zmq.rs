@@ -27,7 +27,10 @@
 //!
 //! On connect, a worker with a replay endpoint is replayed from `last + 1` (from 0 when new):
 //! this recovers what the engine published before the registration, or while the collector was
-//! down (`--state-dir`), and again after every reconnection. The SUB socket reconnects by itself
+//! down (`--state-dir`), and again after every reconnection. When the payload hash of batch
+//! `last` is known (kept with it, also in the state file) the replay starts at `last` itself:
+//! another payload under that number means the engine restarted meanwhile and has published
+//! past it, so its blocks are dropped and it is replayed from 0 (replay outcome `restarted`). The SUB socket reconnects by itself
 //! (`ZMQ_RECONNECT_IVL`/`_MAX`) when the publisher goes away and comes back on the same
 //! address; the monitor's events drive the worker's `connected` status, and a worker
 //! disconnected longer than `keep_disconnected` loses its blocks.
@@ -400,13 +403,28 @@ impl Seq {
         self.recent.iter().any(|&(s, p)| s == seq && p == h)
     }
 
-    fn record(&mut self, seq: u64, payload: &[u8]) {
+    /// Whether the payload hash of batch `seq` is known (applied here, or from the state file).
+    fn knows(&self, seq: u64) -> bool {
+        self.recent.iter().any(|&(s, _)| s == seq)
+    }
+
+    fn record(&mut self, seq: u64, hash: u64) {
         if self.recent.len() >= RECENT {
             self.recent.pop_front();
         }
-        self.recent.push_back((seq, xxh3_64(payload)));
+        self.recent.push_back((seq, hash));
         self.last = Some(seq);
     }
+}
+
+/// How a replay ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Replayed {
+    /// Whatever it brought is applied (or it failed, counted).
+    Done,
+    /// The engine replayed another batch under the number last applied here: it restarted
+    /// (and has published past that number since). Nothing of it was applied.
+    Restarted(u64),
 }
 
 /// The subscriber of one registered worker.
@@ -432,6 +450,12 @@ impl Subscriber {
     pub fn new(shared: Arc<Shared>, source: WorkerId, last_seq: Option<u64>) -> Option<Subscriber> {
         let hub = shared.hub.read().unwrap_or_else(|e| e.into_inner());
         let w = hub.worker(source)?;
+        // The batch applied last before a restart of this collector (`--state-dir`), checked
+        // against the engine's replay on connection.
+        let recent: VecDeque<(u64, u64)> = match (last_seq, w.status.last_hash) {
+            (Some(seq), Some(hash)) if w.status.last_seq == last_seq => [(seq, hash)].into(),
+            _ => VecDeque::new(),
+        };
         let endpoint = w.reg.endpoint.clone();
         let replay_endpoint = w.reg.replay_endpoint.clone();
         let labels = WorkerLabels::new(&w.reg.instance_id, w.dp_rank());
@@ -451,7 +475,7 @@ impl Subscriber {
             replay_endpoint,
             seq: Seq {
                 last: last_seq,
-                recent: VecDeque::new(),
+                recent,
             },
             limits,
             ctx: OwnedContext(Some(zmq::Context::new())),
@@ -500,10 +524,7 @@ impl Subscriber {
                         self.set_connected(true);
                         drop_at = None;
                         warn_at = None;
-                        if self.replay_endpoint.is_some() {
-                            let from = self.seq.last.map_or(0, |s| s + 1);
-                            self.replay_from(from).await;
-                        }
+                        self.catch_up().await;
                     }
                     Some(Wire::Disconnected) => {
                         info!(endpoint = %self.endpoint, "publisher disconnected");
@@ -613,18 +634,7 @@ impl Subscriber {
             }
             Some(last) => {
                 warn!(endpoint = %self.endpoint, last, seq = raw.seq, "sequence went back: engine restarted");
-                self.shared
-                    .metrics
-                    .restarts
-                    .get_or_create(&self.labels)
-                    .inc();
-                self.status(|s| s.restarts += 1);
-                self.shared.write().clear_blocks(self.source);
-                self.publish(crate::bus::wire::Kind::Reset, raw.seq, &[]);
-                self.seq = Seq {
-                    last: None,
-                    recent: VecDeque::new(),
-                };
+                self.engine_restarted(raw.seq);
                 if raw.seq > 0 && self.replay_endpoint.is_some() {
                     self.replay_from(0).await;
                 }
@@ -635,11 +645,52 @@ impl Subscriber {
         }
     }
 
-    /// Replays from `start` and applies what is newer than the last applied batch.
-    async fn replay_from(&mut self, start: u64) {
-        let Some(endpoint) = self.replay_endpoint.clone() else {
+    /// On (re)connection, replays what the engine published since the last batch applied here.
+    ///
+    /// From that batch itself when its payload hash is known: an engine that restarted while
+    /// this collector was away (or disconnected) counts from 0 again, and once it has
+    /// published past the last number applied here, a replay from the next number would lay
+    /// its new batches over the old blocks and miss its first ones. The batch under the old
+    /// number tells: the same payload is the same engine; another is a restart.
+    async fn catch_up(&mut self) {
+        if self.replay_endpoint.is_none() {
             return;
+        }
+        let start = match self.seq.last {
+            None => 0,
+            Some(l) if self.seq.knows(l) => l,
+            Some(l) => l + 1,
         };
+        if let Replayed::Restarted(seq) = self.replay_from(start).await {
+            warn!(endpoint = %self.endpoint, seq, "replay brings another batch under the last number applied: engine restarted");
+            self.engine_restarted(seq);
+            self.replay_from(0).await;
+        }
+    }
+
+    /// The engine restarted (empty cache, sequence from 0; vLLM sends no `AllBlocksCleared`):
+    /// its blocks go, the bus is told, and the sequence starts over.
+    fn engine_restarted(&mut self, seq: u64) {
+        self.shared
+            .metrics
+            .restarts
+            .get_or_create(&self.labels)
+            .inc();
+        self.status(|s| s.restarts += 1);
+        self.shared.write().clear_blocks(self.source);
+        self.publish(crate::bus::wire::Kind::Reset, seq, &[]);
+        self.seq = Seq {
+            last: None,
+            recent: VecDeque::new(),
+        };
+    }
+
+    /// Replays from `start` and applies what is newer than the last applied batch.
+    async fn replay_from(&mut self, start: u64) -> Replayed {
+        let Some(endpoint) = self.replay_endpoint.clone() else {
+            return Replayed::Done;
+        };
+        let mut restarted = None;
         let timeout = self.shared.config.replay_timeout;
         let outcome = match replay(
             self.ctx.get(),
@@ -655,6 +706,14 @@ impl Subscriber {
                 let n = batches.len();
                 for raw in batches {
                     match self.seq.last {
+                        Some(l)
+                            if raw.seq == l
+                                && self.seq.knows(l)
+                                && !self.seq.seen(l, &raw.payload) =>
+                        {
+                            restarted = Some(l);
+                            break;
+                        }
                         Some(l) if raw.seq <= l => continue,
                         Some(l) if raw.seq > l + 1 => {
                             // Older than the engine's buffer: lost for good.
@@ -670,7 +729,11 @@ impl Subscriber {
                     self.apply(raw).await;
                 }
                 debug!(endpoint = %endpoint, start, batches = n, "replayed");
-                "ok"
+                if restarted.is_some() {
+                    "restarted"
+                } else {
+                    "ok"
+                }
             }
             Err(ReplayError::Timeout) => {
                 warn!(endpoint = %endpoint, start, "replay timed out");
@@ -692,13 +755,17 @@ impl Subscriber {
                 outcome,
             })
             .inc();
+        restarted.map_or(Replayed::Done, Replayed::Restarted)
     }
 
     async fn apply(&mut self, raw: RawBatch) {
-        self.seq.record(raw.seq, &raw.payload);
+        let hash = xxh3_64(&raw.payload);
+        self.seq.record(raw.seq, hash);
         match crate::decode::decode(&raw.payload) {
             Ok(batch) => {
-                self.shared.apply_batch(self.source, raw.seq, batch).await;
+                self.shared
+                    .apply_engine_batch(self.source, raw.seq, hash, batch)
+                    .await;
                 self.publish(crate::bus::wire::Kind::Batch, raw.seq, &raw.payload);
             }
             Err(e) => {
@@ -712,6 +779,7 @@ impl Subscriber {
                 if let Some(w) = hub.worker_mut(self.source) {
                     w.status.decode_errors += 1;
                     w.status.last_seq = Some(raw.seq);
+                    w.status.last_hash = Some(hash);
                 }
             }
         }

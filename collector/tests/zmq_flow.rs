@@ -358,6 +358,53 @@ async fn state_dir_restart_keeps_the_index_and_replays_the_rest() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restarted_while_the_collector_was_down_is_not_laid_over_its_old_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = Config {
+        state_dir: Some(dir.path().to_owned()),
+        ..config()
+    };
+    let mut p = publisher(EventFormat::Vllm033, ReplayShape::New).await;
+    let old = tokens(1, 16);
+    {
+        let state = kvroute_collector::start(cfg.clone()).unwrap();
+        state.register(registration("a", &p, M, None, 4)).unwrap();
+        // Batches 0 and 1: the state file says the last one applied is 1.
+        p.publish_events(&[stored(None, 10, &old[..8], 4)]);
+        p.publish_events(&[stored(Some(11), 20, &old[8..16], 4)]);
+        eventually(&state, Some(&mut p), |h| {
+            longest(h, &old, M, None, "a") == 16
+        })
+        .await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        kvroute_collector::serve(listener, state, async {})
+            .await
+            .unwrap();
+    }
+    // While the collector is down the engine restarts (seq from 0, empty cache) and publishes
+    // three batches: past the old last number, so a replay from 2 alone would find one and
+    // lay it over the old blocks.
+    let p = p.restart().await.expect("rebind");
+    let new = tokens(500, 12);
+    p.publish_events(&[stored(None, 70, &new[..4], 4)]);
+    p.publish_events(&[stored(Some(70), 71, &new[4..8], 4)]);
+    p.publish_events(&[stored(Some(71), 72, &new[8..12], 4)]);
+    let state = kvroute_collector::start(cfg).unwrap();
+    eventually(&state, None, |h| {
+        longest(h, &new, M, None, "a") == 12 && longest(h, &old, M, None, "a") == 0
+    })
+    .await;
+    let w = state.read().worker_views().into_iter().next().unwrap();
+    assert_eq!(w.status.restarts, 1, "the replay under the old number told");
+    assert_eq!(w.status.last_seq, Some(2));
+    assert!(state
+        .metrics
+        .encode()
+        .contains("kvroute_replays_total{instance=\"a\",dp=\"0\",outcome=\"restarted\"} 1"));
+    state.stop_subscribers();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_state_snapshot_is_ignored() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("state.json"), b"\x00garbage").unwrap();

@@ -67,6 +67,8 @@ pub struct IngestJob {
     done: bool,
     /// Whether the index has made room for the batch (see `Hub::reserve_for`).
     reserved: bool,
+    /// xxh3 of the batch's payload as the engine sent it (ZMQ sources), kept with `seq`.
+    payload_hash: Option<u64>,
     pub report: IngestReport,
 }
 
@@ -92,8 +94,20 @@ impl IngestJob {
             target: None,
             done: false,
             reserved: false,
+            payload_hash: None,
             report,
         }
+    }
+
+    /// Records the hash of the payload the batch was decoded from with its sequence number.
+    pub fn with_payload_hash(mut self, hash: u64) -> IngestJob {
+        self.payload_hash = Some(hash);
+        self
+    }
+
+    /// The worker whose publisher sent the batch.
+    pub fn source(&self) -> WorkerId {
+        self.source
     }
 
     pub fn is_done(&self) -> bool {
@@ -411,6 +425,7 @@ impl Hub {
         let orphans = job.report.apply.orphans;
         if let Some(w) = self.worker_mut(job.source) {
             w.status.last_seq = Some(job.seq);
+            w.status.last_hash = job.payload_hash;
             w.status.batches += 1;
         }
         if job.report.worker.is_some() {

@@ -31,7 +31,13 @@ pub struct SavedWorker {
     pub reg: RegisterRequest,
     pub source: Option<u32>,
     pub last_seq: Option<u64>,
+    /// See `WorkerStatus::last_hash` (absent in older files: the batch is not checked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_hash: Option<u64>,
 }
+
+/// A worker's last applied sequence number and the hash of that batch's payload.
+type SavedSeq = (Option<u64>, Option<u64>);
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct SavedAlias {
@@ -56,6 +62,7 @@ impl Hub {
                     reg: w.reg.clone(),
                     source: w.source.map(|s| s.0),
                     last_seq: w.status.last_seq,
+                    last_hash: w.status.last_hash,
                 })
                 .collect(),
             aliases: self
@@ -93,7 +100,7 @@ impl Hub {
             return Err(bad("state imported into a hub that has workers".into()));
         }
         // Check everything first; change nothing until all of it holds.
-        let mut regs: HashMap<u32, (RegisterRequest, Option<u32>, Option<u64>)> = HashMap::new();
+        let mut regs: HashMap<u32, (RegisterRequest, Option<u32>, SavedSeq)> = HashMap::new();
         let mut names = HashSet::new();
         let mut sizes: HashMap<ModelKey, u32> = HashMap::new();
         for w in state.workers {
@@ -117,7 +124,10 @@ impl Hub {
                     reg.model_name
                 )));
             }
-            if regs.insert(w.id, (reg, w.source, w.last_seq)).is_some() {
+            if regs
+                .insert(w.id, (reg, w.source, (w.last_seq, w.last_hash)))
+                .is_some()
+            {
                 return Err(bad(format!("worker id {} saved twice", w.id)));
             }
         }
@@ -173,7 +183,7 @@ impl Hub {
             self.workers.resize(last as usize + 1, None);
         }
         for id in ids {
-            let (reg, source, last_seq) = regs.remove(&id).expect("listed");
+            let (reg, source, (last_seq, last_hash)) = regs.remove(&id).expect("listed");
             let model = ModelKey::new(reg.tenant_id.as_deref().unwrap_or(""), &reg.model_name);
             self.sizes
                 .register(&model, reg.block_size)
@@ -196,6 +206,7 @@ impl Hub {
                 source: source.map(WorkerId),
                 status: WorkerStatus {
                     last_seq,
+                    last_hash,
                     ..WorkerStatus::default()
                 },
                 generation,

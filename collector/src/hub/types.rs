@@ -53,6 +53,11 @@ pub struct WorkerStatus {
     #[serde(default)]
     pub metrics_down: bool,
     pub last_seq: Option<u64>,
+    /// xxh3 of the payload of the batch at `last_seq` (ZMQ sources): on reconnection the
+    /// batch the engine replays at that number must be the same one, or the engine restarted
+    /// while nobody listened (see `zmq`). Kept in the state file, not shown on `/workers`.
+    #[serde(skip)]
+    pub last_hash: Option<u64>,
     pub batches: u64,
     pub events: u64,
     pub gaps: u64,
