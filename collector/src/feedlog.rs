@@ -283,6 +283,13 @@ impl FeedLog {
         if self.entries.len() >= self.max_entries {
             self.entries.pop_front();
             self.base += 1;
+            // A snapshot whose head has left the log can hand no reader over to it: every
+            // reader would be sent to a new one, so its pages (megabytes for a large index)
+            // need not be held until the next snapshot, which may never come.
+            let snapshot = self.snapshot.get_mut().unwrap_or_else(|e| e.into_inner());
+            if snapshot.as_ref().is_some_and(|s| s.head < self.base) {
+                *snapshot = None;
+            }
         }
         self.entries.push_back(entry);
     }
@@ -528,6 +535,24 @@ mod tests {
                 keys: vec![BlockKey(2)]
             }
         );
+    }
+
+    #[test]
+    fn a_snapshot_is_released_once_its_head_leaves_the_log() {
+        let mut log = FeedLog::new(7, 3, 300);
+        log.push_change(change(0, 1, true));
+        snapshot_of(&mut log, &(0..100).collect::<Vec<u64>>());
+        let held = |log: &FeedLog| log.snapshot.lock().unwrap().is_some();
+        // Head 1 stays in the log while the log holds it (base 0, then 1)...
+        log.push_change(change(0, 2, true));
+        log.push_change(change(0, 3, true));
+        log.push_change(change(0, 4, true));
+        assert!(held(&log), "head 1 == base 1: still continuable");
+        assert!(matches!(log.reply(None, None), Reply::Page(_)));
+        // ...and goes with it.
+        log.push_change(change(0, 5, true));
+        assert!(!held(&log), "head 1 < base 2: released");
+        assert!(matches!(log.reply(None, None), Reply::NeedSnapshot));
     }
 
     #[test]
