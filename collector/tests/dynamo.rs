@@ -6,6 +6,9 @@
 //! collector's `/query`: stores match, removals and clears take blocks away, a jump in event
 //! ids is a gap that clears the worker, bad and oversized messages are counted and skipped,
 //! workers register on their first event and the least recently heard is evicted past the cap.
+//! Then ai-dynamo 1.6.1's own messages, byte for byte from `testdata/dynamo/`, on its subject;
+//! and the KV query on a gap or a late start, answered by a stand-in for the worker's query
+//! endpoint that replays the captured answers (the real worker: `dynamo_interop.py`).
 
 #[allow(dead_code)]
 mod common;
@@ -17,7 +20,7 @@ use std::time::Duration;
 
 use common::{tokens, DEADLINE};
 use kvroute::api::QueryResponse;
-use kvroute_collector::bus::{BusConfig, DynamoConfig, Role};
+use kvroute_collector::bus::{BusConfig, DynamoConfig, RecoveryConfig, Role};
 use natsd::{bus, config, Collector, Nats};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -40,13 +43,19 @@ impl std::ops::Deref for Reader {
 impl Reader {
     async fn start(nats: &Nats, max_workers: usize) -> Reader {
         let dynamo = DynamoConfig {
-            subject: "namespace.dyn.component.*.kv-events".into(),
+            subjects: vec!["namespace.dyn.component.*.kv-events".into()],
             model: M.into(),
             block_size: BS as u32,
             tenant: None,
             address: "127.0.0.1:9".parse().unwrap(),
             max_message_bytes: 4096,
             max_workers,
+            // No worker here answers a KV query: a gap falls back to clearing the worker.
+            recovery: Some(RecoveryConfig {
+                listen: None,
+                timeout: Duration::from_secs(2),
+                max_bytes: 1 << 20,
+            }),
         };
         let bus = BusConfig {
             outbox_batches: 1024,
@@ -573,5 +582,330 @@ async fn workers_register_on_first_sight_and_the_least_recently_heard_is_evicted
     assert_eq!(c.count("refused"), 1);
     assert_eq!(c.count("evicted"), 2);
     assert_eq!(c.query(&tb).await.get("2"), Some(&4));
+    c.stop().await;
+}
+
+// --- ai-dynamo 1.6.1 as captured (testdata/dynamo/README.md) --------------------------------
+
+/// The captured worker: Dynamo's worker id, its kv-events publisher and the subjects.
+const CAP_WORKER: &str = "7030154717409816316";
+const CAP_SUBJECT: &str = "namespace.dynamo.component.backend.endpoint.generate.kv-events";
+const CAP_QUERY: &str = "dynamo_backend.worker_kv_query_source_3fecf4985069a-61902077d73faefc";
+
+/// `### name` sections of a testdata/dynamo file, each one's `key: value` lines.
+fn sections(file: &str) -> BTreeMap<String, BTreeMap<String, String>> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata/dynamo")
+        .join(file);
+    let text = std::fs::read_to_string(&path).expect("read testdata/dynamo");
+    text.split("\n### ")
+        .skip(1)
+        .map(|sec| {
+            let mut lines = sec.lines();
+            let name = lines.next().unwrap_or_default().to_owned();
+            let kv = lines
+                .filter_map(|l| l.split_once(": "))
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect();
+            (name, kv)
+        })
+        .collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+/// The captured kv-events message `n` (its index in the capture), byte for byte.
+fn captured(n: usize) -> Vec<u8> {
+    unhex(&sections("kv_events_1.6.1.txt")[&format!("message {n}")]["hex"])
+}
+
+/// The prompt of the capture's request `k`: 48 shared tokens, then 20 of its own (the first
+/// 16 a block): 64 tokens in 4 blocks of 16.
+fn cap_prompt(k: u32) -> Vec<u32> {
+    (1000..1048).chain(2000 + 100 * k..2016 + 100 * k).collect()
+}
+
+/// A collector on the default subjects of namespace `dynamo`, block size 16.
+async fn cap_reader(nats: &Nats, recovery: Option<RecoveryConfig>) -> Reader {
+    let dynamo = DynamoConfig {
+        subjects: kvroute_collector::bus::dynamo::naming::subjects("dynamo", None).unwrap(),
+        model: M.into(),
+        block_size: 16,
+        tenant: None,
+        address: "127.0.0.1:9".parse().unwrap(),
+        max_message_bytes: 1 << 20,
+        max_workers: 8,
+        recovery,
+    };
+    let bus = BusConfig {
+        outbox_batches: 1024,
+        dynamo: Some(dynamo),
+        ..bus(&nats.url(), Role::Both, "unused")
+    };
+    Reader(Collector::start(config(Some(bus))).await)
+}
+
+fn recovery(timeout_ms: u64, max_bytes: usize) -> Option<RecoveryConfig> {
+    Some(RecoveryConfig {
+        listen: None,
+        timeout: Duration::from_millis(timeout_ms),
+        max_bytes,
+    })
+}
+
+/// Publishes `msg` until `c` matches `prompt` for `want` tokens (NATS Core drops what is
+/// published before the subscription lands; repeats are duplicates to the reader).
+async fn publish_until(c: &Reader, p: &mut Worker, msg: &[u8], prompt: &[u32], want: u64) {
+    let until = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        p.raw(CAP_SUBJECT, msg.to_vec()).await;
+        let ok = c
+            .state
+            .wait_until(Duration::from_millis(300), |h| {
+                h.query_tokens(prompt, M, None, None, None)
+                    .ok()
+                    .and_then(|r| r.instances.get(CAP_WORKER).map(|m| m.longest_matched))
+                    == Some(want)
+            })
+            .await;
+        if ok {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the reader never matched {want} tokens"
+        );
+    }
+}
+
+/// What the fake worker's KV query endpoint does with a query.
+#[derive(Clone, Copy)]
+enum Answering {
+    /// Streams the captured answer of this name (`2_3`, `dump`, `toonew`, ...), byte for byte
+    /// after a handshake naming the query.
+    Captured(&'static str),
+    /// Acknowledges and never connects.
+    Silent,
+    /// Streams a frame claiming more bytes than any budget.
+    Huge,
+}
+
+/// The captured worker's KV query endpoint on the NATS request plane, as ai-dynamo 1.6.1
+/// serves it; returns the queries' bodies (msgpack → JSON) as they come.
+async fn fake_query_endpoint(
+    nats: &Nats,
+    answering: Answering,
+) -> tokio::sync::mpsc::UnboundedReceiver<serde_json::Value> {
+    use tokio::io::AsyncWriteExt;
+    let client = async_nats::connect(nats.url()).await.expect("connect");
+    let mut sub = client.subscribe(CAP_QUERY).await.expect("subscribe");
+    client.flush().await.expect("flush");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        use futures_util::StreamExt;
+        while let Some(msg) = sub.next().await {
+            let b = &msg.payload;
+            let hl = u64::from_be_bytes(b[..8].try_into().unwrap()) as usize;
+            let header: serde_json::Value = serde_json::from_slice(&b[24..24 + hl]).unwrap();
+            let info: serde_json::Value =
+                serde_json::from_str(header["connection_info"]["info"].as_str().unwrap()).unwrap();
+            let _ = tx.send(msgpack_json(&b[24 + hl..]));
+            client
+                .publish(msg.reply.unwrap(), bytes::Bytes::new())
+                .await
+                .unwrap();
+            let name = match answering {
+                Answering::Silent => continue,
+                Answering::Captured(name) => name,
+                Answering::Huge => "",
+            };
+            let mut s = tokio::net::TcpStream::connect(info["address"].as_str().unwrap())
+                .await
+                .unwrap();
+            let hs = serde_json::json!({"subject": info["subject"], "stream_type": "response"});
+            s.write_all(&two_part(hs.to_string().as_bytes(), b""))
+                .await
+                .unwrap();
+            if name.is_empty() {
+                let mut f = two_part(b"", b"");
+                f[8..16].copy_from_slice(&(u64::MAX / 2).to_be_bytes());
+                let _ = s.write_all(&f).await;
+            } else {
+                // The captured stream after its own handshake frame.
+                let stream = unhex(&sections("worker_kv_query_1.6.1.txt")[name]["stream"]);
+                let hl = u64::from_be_bytes(stream[..8].try_into().unwrap()) as usize;
+                s.write_all(&stream[24 + hl..]).await.unwrap();
+            }
+            let _ = s.flush().await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    rx
+}
+
+fn two_part(header: &[u8], body: &[u8]) -> Vec<u8> {
+    let mut f = Vec::new();
+    f.extend_from_slice(&(header.len() as u64).to_be_bytes());
+    f.extend_from_slice(&(body.len() as u64).to_be_bytes());
+    f.extend_from_slice(&0u64.to_be_bytes());
+    f.extend_from_slice(header);
+    f.extend_from_slice(body);
+    f
+}
+
+/// The flat msgpack map of a query body as JSON (uints, nil, bools, short strings).
+fn msgpack_json(b: &[u8]) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    let n = usize::from(b[0] & 0x0f);
+    let mut i = 1;
+    let value = |i: &mut usize| -> serde_json::Value {
+        let t = b[*i];
+        *i += 1;
+        let be = |i: &mut usize, n: usize| {
+            let v = b[*i..*i + n]
+                .iter()
+                .fold(0u64, |a, &x| (a << 8) | u64::from(x));
+            *i += n;
+            v
+        };
+        match t {
+            0x00..=0x7f => u64::from(t).into(),
+            0xcc => be(i, 1).into(),
+            0xcd => be(i, 2).into(),
+            0xce => be(i, 4).into(),
+            0xcf => be(i, 8).into(),
+            0xc0 => serde_json::Value::Null,
+            0xc2 => false.into(),
+            0xc3 => true.into(),
+            0xa0..=0xbf => {
+                let len = usize::from(t & 0x1f);
+                *i += len;
+                String::from_utf8_lossy(&b[*i - len..*i]).into()
+            }
+            _ => panic!("unexpected msgpack {t:#x}"),
+        }
+    };
+    for _ in 0..n {
+        let k = value(&mut i);
+        let v = value(&mut i);
+        out.insert(k.as_str().unwrap().to_owned(), v);
+    }
+    serde_json::Value::Object(out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ai_dynamo_1_6_1_messages_are_indexed_on_the_default_subject() {
+    let nats = Nats::start().await;
+    let c = cap_reader(&nats, None).await;
+    let mut p = Worker::connect(&nats).await;
+    // Events 1, 2 and 3 of the captured worker: request 0's four blocks, then one block of
+    // requests 1 and 2 each below its first three.
+    publish_until(&c, &mut p, &captured(0), &cap_prompt(0), 64).await;
+    p.raw(CAP_SUBJECT, captured(1)).await;
+    p.raw(CAP_SUBJECT, captured(2)).await;
+    c.until(&cap_prompt(2), CAP_WORKER, 64).await;
+    c.until(&cap_prompt(1), CAP_WORKER, 64).await;
+    assert_eq!(c.count("undecodable"), 0);
+    // Message 17 holds two events (18: a removal, 19: a store): a jump from 3, so with
+    // --dynamo-recovery off the worker's blocks are cleared, then both are applied.
+    p.raw(CAP_SUBJECT, captured(17)).await;
+    c.until(&cap_prompt(0), CAP_WORKER, 0).await;
+    assert_eq!(c.count("gap"), 1);
+    // Events 1, 2, 3, 18 and 19 (repeats of event 1 are duplicates).
+    assert_eq!(c.count("applied"), 5);
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_filled_by_the_workers_kv_query() {
+    let nats = Nats::start().await;
+    let mut queries = fake_query_endpoint(&nats, Answering::Captured("2_3")).await;
+    let c = cap_reader(&nats, recovery(3000, 1 << 20)).await;
+    let mut p = Worker::connect(&nats).await;
+    publish_until(&c, &mut p, &captured(0), &cap_prompt(0), 64).await;
+    // Event 3 without event 2: the reader asks for 2..2 and the worker's answer (events 2
+    // and 3, as captured) fills it; no block is cleared.
+    p.raw(CAP_SUBJECT, captured(2)).await;
+    c.until(&cap_prompt(1), CAP_WORKER, 64).await;
+    c.until(&cap_prompt(2), CAP_WORKER, 64).await;
+    let q = queries.recv().await.expect("a query");
+    assert_eq!(
+        q,
+        serde_json::json!({"worker_id": 7030154717409816316u64, "dp_rank": 0,
+            "start_event_id": 2, "end_event_id": 2, "supports_tree_dump_failed": true,
+            "kind": "recovery"})
+    );
+    assert_eq!(c.count("gap"), 1);
+    assert_eq!(c.bus_count("dynamo_recovery", "recovered"), 1);
+    assert_eq!(c.query(&cap_prompt(0)).await.get(CAP_WORKER), Some(&64));
+    let gaps = c
+        .state
+        .read()
+        .workers()
+        .find(|w| w.reg.instance_id == CAP_WORKER)
+        .map(|w| w.status.gaps);
+    assert_eq!(gaps, Some(0), "nothing cleared");
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_collector_takes_the_workers_tree_dump() {
+    let nats = Nats::start().await;
+    let mut queries = fake_query_endpoint(&nats, Answering::Captured("dump")).await;
+    let c = cap_reader(&nats, recovery(3000, 1 << 20)).await;
+    let mut p = Worker::connect(&nats).await;
+    // The first event this collector hears is event 3: it asks for the whole cache, whose
+    // dump (as of event 3) brings requests 0 and 1 it never heard of.
+    publish_until(&c, &mut p, &captured(2), &cap_prompt(0), 64).await;
+    c.until(&cap_prompt(1), CAP_WORKER, 64).await;
+    c.until(&cap_prompt(2), CAP_WORKER, 64).await;
+    let q = queries.recv().await.expect("a query");
+    assert_eq!(q["start_event_id"], serde_json::Value::Null);
+    assert_eq!(q["end_event_id"], serde_json::Value::Null);
+    assert_eq!(c.bus_count("dynamo_recovery", "dumped"), 1);
+    assert_eq!(c.count("gap"), 0);
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_queries_fall_back_to_clearing_the_worker() {
+    for (answering, outcome) in [
+        (Answering::Captured("toonew"), "refused"),
+        (Answering::Captured("otherworker"), "refused"),
+        (Answering::Silent, "timeout"),
+        (Answering::Huge, "bad_answer"),
+    ] {
+        let nats = Nats::start().await;
+        let _queries = fake_query_endpoint(&nats, answering).await;
+        let c = cap_reader(&nats, recovery(500, 64 << 10)).await;
+        let mut p = Worker::connect(&nats).await;
+        publish_until(&c, &mut p, &captured(0), &cap_prompt(0), 64).await;
+        // Events 18 and 19 after 1: the query fails, request 0's blocks are cleared.
+        p.raw(CAP_SUBJECT, captured(17)).await;
+        c.until(&cap_prompt(0), CAP_WORKER, 0).await;
+        assert_eq!(c.bus_count("dynamo_recovery", outcome), 1, "{outcome}");
+        assert_eq!(c.count("gap"), 1);
+        let gaps = c
+            .state
+            .read()
+            .workers()
+            .find(|w| w.reg.instance_id == CAP_WORKER)
+            .map(|w| w.status.gaps);
+        assert_eq!(gaps, Some(1), "{outcome}");
+        c.stop().await;
+    }
+    // No responder at all (a worker on the TCP request plane): unreachable, the same fallback.
+    let nats = Nats::start().await;
+    let c = cap_reader(&nats, recovery(3000, 1 << 20)).await;
+    let mut p = Worker::connect(&nats).await;
+    publish_until(&c, &mut p, &captured(0), &cap_prompt(0), 64).await;
+    p.raw(CAP_SUBJECT, captured(17)).await;
+    c.until(&cap_prompt(0), CAP_WORKER, 0).await;
+    assert_eq!(c.bus_count("dynamo_recovery", "unreachable"), 1);
     c.stop().await;
 }

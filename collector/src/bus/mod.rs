@@ -44,5 +44,8 @@ pub mod wire;
 
 pub(crate) use handle::count;
 pub use handle::{subject, token, worker_key, Bus, Outgoing, Route};
-pub use settings::{BusConfig, BusConfigError, DynamoConfig, DynamoFile, NatsArgs, NatsFile, Role};
+pub use settings::{
+    BusConfig, BusConfigError, DynamoConfig, DynamoFile, NatsArgs, NatsFile, RecoveryConfig,
+    RecoveryMode, Role,
+};
 pub use wire::Kind;

@@ -65,7 +65,7 @@ pub struct NatsArgs {
     /// Dynamo component whose workers publish the events (e.g. backend) [default: every component of the namespace].
     #[arg(long, value_name = "NAME")]
     pub dynamo_component: Option<String>,
-    /// The whole NATS subject to subscribe to instead of namespace.NS.component.C.kv-events (another Dynamo version's naming) [default: derived].
+    /// The whole NATS subject to subscribe to instead of the derived ones (another Dynamo version's naming) [default: namespace.NS.component.C.endpoint.*.kv-events and namespace.NS.component.C.kv-events].
     #[arg(long, value_name = "SUBJECT")]
     pub dynamo_subject: Option<String>,
     /// Model the Dynamo workers serve: they are registered under it on their first event.
@@ -86,6 +86,29 @@ pub struct NatsArgs {
     /// Most Dynamo workers (worker id, dp rank) registered at once; past it the one heard from least recently is unregistered [default: 1024].
     #[arg(long, value_name = "N")]
     pub dynamo_max_workers: Option<usize>,
+    /// On a jump in a Dynamo worker's event ids (or a first event past id 1), ask the worker's KV query endpoint for what was missed over the NATS request plane (nats), or clear its blocks (off) [default: nats].
+    #[arg(long, value_name = "MODE")]
+    pub dynamo_recovery: Option<RecoveryMode>,
+    /// Where the workers' answers to a KV query connect back to (TCP; a port of 0 picks one) [default: the local address that reaches the NATS server, port 0].
+    #[arg(long, value_name = "IP:PORT")]
+    pub dynamo_recovery_listen: Option<String>,
+    /// A KV query's whole time budget, request to last byte, milliseconds; past it the worker's blocks are cleared [default: 3000].
+    #[arg(long, value_name = "MS")]
+    pub dynamo_recovery_timeout_ms: Option<u64>,
+    /// Largest answer to one KV query, bytes: past it the answer is dropped and the worker's blocks cleared [default: 67108864].
+    #[arg(long, value_name = "BYTES")]
+    pub dynamo_recovery_max_bytes: Option<usize>,
+}
+
+/// `--dynamo-recovery`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecoveryMode {
+    /// The worker's KV query endpoint on the NATS request plane.
+    #[default]
+    Nats,
+    /// No query: a gap clears the worker's blocks.
+    Off,
 }
 
 /// The `[nats]` table of the `--config` file: the same settings.
@@ -119,6 +142,10 @@ pub struct DynamoFile {
     pub address: Option<String>,
     pub max_message_bytes: Option<usize>,
     pub max_workers: Option<usize>,
+    pub recovery: Option<RecoveryMode>,
+    pub recovery_listen: Option<String>,
+    pub recovery_timeout_ms: Option<u64>,
+    pub recovery_max_bytes: Option<usize>,
 }
 
 /// The bus settings, validated.
@@ -150,8 +177,8 @@ pub struct BusConfig {
 /// The Dynamo reader's settings, validated ([`super::dynamo`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DynamoConfig {
-    /// NATS subject subscribed to (may hold a `*` wildcard).
-    pub subject: String,
+    /// NATS subjects subscribed to (may hold `*` wildcards).
+    pub subjects: Vec<String>,
     /// Model the workers are registered under.
     pub model: String,
     /// Tokens per block.
@@ -164,6 +191,19 @@ pub struct DynamoConfig {
     pub max_message_bytes: usize,
     /// Most Dynamo workers registered at once.
     pub max_workers: usize,
+    /// The KV query on a gap; `None`: `--dynamo-recovery off`.
+    pub recovery: Option<RecoveryConfig>,
+}
+
+/// `--dynamo-recovery nats` ([`super::dynamo::recovery`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecoveryConfig {
+    /// Where the answers connect back to; `None`: the local address toward the NATS server.
+    pub listen: Option<std::net::SocketAddr>,
+    /// One query's whole time budget.
+    pub timeout: Duration,
+    /// Largest answer, bytes.
+    pub max_bytes: usize,
 }
 
 /// Why the bus settings were refused; names the flag.
@@ -280,13 +320,17 @@ impl DynamoFile {
             address: a.dynamo_address.clone().or(f.address),
             max_message_bytes: a.dynamo_max_message_bytes.or(f.max_message_bytes),
             max_workers: a.dynamo_max_workers.or(f.max_workers),
+            recovery: a.dynamo_recovery.or(f.recovery),
+            recovery_listen: a.dynamo_recovery_listen.clone().or(f.recovery_listen),
+            recovery_timeout_ms: a.dynamo_recovery_timeout_ms.or(f.recovery_timeout_ms),
+            recovery_max_bytes: a.dynamo_recovery_max_bytes.or(f.recovery_max_bytes),
         }
     }
 
     /// The reader's settings; `None` when neither a namespace nor a subject is set.
     fn validate(self) -> Result<Option<DynamoConfig>, BusConfigError> {
         let err = |flag, msg: String| BusConfigError { flag, msg };
-        let subject = match (self.subject, &self.namespace) {
+        let subjects = match (self.subject, &self.namespace) {
             (Some(s), _) => {
                 if s.is_empty()
                     || s.split('.').any(|t| t.is_empty())
@@ -297,9 +341,9 @@ impl DynamoFile {
                         "a NATS subject: non-empty tokens split by '.'".into(),
                     ));
                 }
-                s
+                vec![s]
             }
-            (None, Some(ns)) => super::dynamo::naming::subject(ns, self.component.as_deref())
+            (None, Some(ns)) => super::dynamo::naming::subjects(ns, self.component.as_deref())
                 .map_err(|m| err("dynamo-namespace", m.into()))?,
             (None, None) => return Ok(None),
         };
@@ -341,14 +385,49 @@ impl DynamoFile {
                 format!("must be 1 to {}", crate::hub::MAX_WORKERS),
             ));
         }
+        let recovery = match self.recovery.unwrap_or_default() {
+            RecoveryMode::Off => None,
+            RecoveryMode::Nats => {
+                let listen = self
+                    .recovery_listen
+                    .map(|l| l.parse::<std::net::SocketAddr>())
+                    .transpose()
+                    .map_err(|_| {
+                        err(
+                            "dynamo-recovery-listen",
+                            "must be an ip:port literal".into(),
+                        )
+                    })?;
+                let ms = self.recovery_timeout_ms.unwrap_or(3000);
+                if !(10..=600_000).contains(&ms) {
+                    return Err(err(
+                        "dynamo-recovery-timeout-ms",
+                        "must be 10 to 600000".into(),
+                    ));
+                }
+                let max_bytes = self.recovery_max_bytes.unwrap_or(64 << 20);
+                if !(4096..=1 << 31).contains(&max_bytes) {
+                    return Err(err(
+                        "dynamo-recovery-max-bytes",
+                        "must be 4 KiB to 2 GiB".into(),
+                    ));
+                }
+                Some(RecoveryConfig {
+                    listen,
+                    timeout: Duration::from_millis(ms),
+                    max_bytes,
+                })
+            }
+        };
         Ok(Some(DynamoConfig {
-            subject,
+            subjects,
             model,
             block_size,
             tenant: self.tenant.filter(|t| !t.is_empty()),
             address,
             max_message_bytes,
             max_workers,
+            recovery,
         }))
     }
 }
@@ -420,8 +499,23 @@ mod tests {
             .unwrap()
             .dynamo
             .unwrap();
-        assert_eq!(d.subject, "namespace.dynamo.component.*.kv-events");
+        assert_eq!(
+            d.subjects,
+            [
+                "namespace.dynamo.component.*.endpoint.*.kv-events",
+                "namespace.dynamo.component.*.kv-events"
+            ]
+        );
         assert_eq!((d.block_size, d.max_workers), (16, 1024));
+        // The KV query is on by default, its answers back to the address toward NATS.
+        assert_eq!(
+            d.recovery,
+            Some(RecoveryConfig {
+                listen: None,
+                timeout: Duration::from_secs(3),
+                max_bytes: 64 << 20
+            })
+        );
         assert_eq!(d.address.to_string(), "10.0.0.1:8000");
         let flag = |a: NatsArgs| a.into_config(None, 1).unwrap_err().flag;
         assert_eq!(
@@ -459,9 +553,30 @@ mod tests {
             }),
             "dynamo-subject"
         );
+        assert_eq!(
+            flag(NatsArgs {
+                dynamo_recovery_listen: Some("localhost:1".into()),
+                ..full.clone()
+            }),
+            "dynamo-recovery-listen"
+        );
+        assert_eq!(
+            flag(NatsArgs {
+                dynamo_recovery_timeout_ms: Some(0),
+                ..full.clone()
+            }),
+            "dynamo-recovery-timeout-ms"
+        );
+        assert_eq!(
+            flag(NatsArgs {
+                dynamo_recovery_max_bytes: Some(100),
+                ..full.clone()
+            }),
+            "dynamo-recovery-max-bytes"
+        );
         // The [nats.dynamo] table, a flag over it, and a subject of another release.
         let file: crate::config::FileConfig = toml::from_str(
-            "[nats]\nurl = \"nats://127.0.0.1:4222\"\n[nats.dynamo]\nsubject = \"namespace.dynamo.component.backend.kv_events\"\nmodel = \"m\"\nblock_size = 32\naddress = \"127.0.0.1:1\"\n",
+            "[nats]\nurl = \"nats://127.0.0.1:4222\"\n[nats.dynamo]\nsubject = \"namespace.dynamo.component.backend.kv_events\"\nmodel = \"m\"\nblock_size = 32\naddress = \"127.0.0.1:1\"\nrecovery = \"off\"\n",
         )
         .unwrap();
         let flags = NatsArgs {
@@ -474,8 +589,8 @@ mod tests {
             .unwrap()
             .dynamo
             .unwrap();
-        assert_eq!(d.subject, "namespace.dynamo.component.backend.kv_events");
-        assert_eq!(d.block_size, 64);
+        assert_eq!(d.subjects, ["namespace.dynamo.component.backend.kv_events"]);
+        assert_eq!((d.block_size, d.recovery), (64, None));
         // Without a namespace or subject the reader is off.
         let off = NatsArgs {
             dynamo_namespace: None,

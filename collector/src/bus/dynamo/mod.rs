@@ -83,18 +83,21 @@
 //!   their blocks cannot be trusted; they register again on their next event.
 
 pub mod naming;
+pub mod recovery;
 pub mod wire;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use kvroute::api::{RegisterRequest, UnregisterRequest};
 use kvroute::event::{KvEvent, StoredBlock, WorkerId};
+use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
-use self::wire::{EventData, RouterEvent};
+use self::recovery::{Failure, Query, Recovery};
+use self::wire::{Answer, EventData, RouterEvent};
 use super::settings::DynamoConfig;
 use super::{count, Bus};
 use crate::decode::{Batch, DecodeStats};
@@ -110,8 +113,17 @@ pub const ENDPOINT: &str = "tcp://0.0.0.0:0";
 /// The `dir` label of this reader's counts.
 const DIR: &str = "dynamo";
 
+/// The `dir` label of the KV queries' outcomes.
+const RECOVERY_DIR: &str = "dynamo_recovery";
+
 /// Longest pause between two attempts to subscribe.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// KV queries in flight at once; a gap past that clears the worker as without queries.
+pub const MAX_QUERIES: usize = 16;
+
+/// Events of one worker held back while its query is in flight; one more gives the query up.
+pub const MAX_HELD: usize = 4096;
 
 /// A Dynamo worker this reader registered.
 #[derive(Debug, Clone, Copy)]
@@ -124,76 +136,369 @@ struct Known {
     heard: u64,
 }
 
-/// The reader's state: one entry per Dynamo worker it registered, at most `max_workers` (the
-/// least recently heard is evicted past that).
+/// Where an event came from: what its worker's KV query subject is built from.
+#[derive(Debug, Clone)]
+struct Source {
+    subject: String,
+    publisher_id: Option<u64>,
+}
+
+/// A worker whose KV query is in flight.
 #[derive(Debug)]
+struct Held {
+    token: u64,
+    /// A gap (its blocks are cleared if the query fails) rather than a first sight.
+    gap: bool,
+    source: Source,
+    /// Its events since, in order of arrival.
+    events: Vec<RouterEvent>,
+}
+
+/// A finished query.
+struct Done {
+    key: (u64, u32),
+    token: u64,
+    range: Option<(u64, u64)>,
+    result: Result<Answer, Failure>,
+}
+
+/// The reader's state: one entry per Dynamo worker it registered, at most `max_workers` (the
+/// least recently heard is evicted past that), and the workers whose KV query is in flight.
 pub struct Reader {
     config: DynamoConfig,
     known: HashMap<(u64, u32), Known>,
     messages: u64,
+    recovery: Option<Arc<Recovery>>,
+    held: HashMap<(u64, u32), Held>,
+    tokens: u64,
+    queries: JoinSet<Done>,
 }
 
 impl Reader {
-    pub fn new(config: DynamoConfig) -> Reader {
+    pub fn new(config: DynamoConfig, recovery: Option<Arc<Recovery>>) -> Reader {
         Reader {
             config,
             known: HashMap::new(),
             messages: 0,
+            recovery,
+            held: HashMap::new(),
+            tokens: 0,
+            queries: JoinSet::new(),
         }
     }
 
-    /// Applies one NATS message; bad input costs that message only, counted.
-    pub async fn on_message(&mut self, shared: &Arc<Shared>, payload: &[u8]) {
+    /// Applies one NATS message from `subject`; bad input costs that message only, counted.
+    pub async fn on_message(&mut self, shared: &Arc<Shared>, subject: &str, payload: &[u8]) {
         self.messages += 1;
         if payload.len() > self.config.max_message_bytes {
             count(&shared.metrics, DIR, "too_large");
             return;
         }
-        let ev = match wire::decode(payload) {
-            Ok(e) => e,
+        let msg = match wire::decode(payload) {
+            Ok(m) => m,
             Err(e) => {
                 debug!(error = %e, "dynamo: undecodable message");
                 count(&shared.metrics, DIR, "undecodable");
                 return;
             }
         };
+        let source = Source {
+            subject: subject.to_owned(),
+            publisher_id: msg.publisher_id,
+        };
+        self.feed(shared, &source, msg.events.into()).await;
+    }
+
+    /// Takes `events` in order. A worker's query given up on the way (too much held back)
+    /// puts its held events back at the front, the first one applied whatever its id.
+    async fn feed(
+        &mut self,
+        shared: &Arc<Shared>,
+        source: &Source,
+        mut events: VecDeque<RouterEvent>,
+    ) {
+        while let Some(ev) = events.pop_front() {
+            if let Some(given_up) = self.on_event(shared, source, ev).await {
+                let Held {
+                    gap, events: held, ..
+                } = given_up;
+                let mut held: VecDeque<RouterEvent> = held.into();
+                if let Some(first) = held.pop_front() {
+                    self.fall_back(shared, gap, first).await;
+                }
+                while let Some(e) = held.pop_back() {
+                    events.push_front(e);
+                }
+            }
+        }
+    }
+
+    /// One event, by its worker's event id; returns a query given up (see [`Reader::feed`]).
+    async fn on_event(
+        &mut self,
+        shared: &Arc<Shared>,
+        source: &Source,
+        ev: RouterEvent,
+    ) -> Option<Held> {
         if ev.data == EventData::Foreign {
             count(&shared.metrics, DIR, "foreign");
-            return;
+            return None;
         }
-        let Some(id) = self.resolve(shared, ev.worker_id, ev.dp_rank) else {
-            return;
-        };
+        let id = self.resolve(shared, ev.worker_id, ev.dp_rank)?;
         let key = (ev.worker_id, ev.dp_rank);
+        if let Some(h) = self.held.get_mut(&key) {
+            if h.events.len() < MAX_HELD {
+                h.events.push(ev);
+                return None;
+            }
+            // Holding more would be unbounded: the query's answer will be dropped.
+            count(&shared.metrics, RECOVERY_DIR, "overflow");
+            let mut h = self.held.remove(&key)?;
+            h.events.push(ev);
+            return Some(h);
+        }
         let last = self.known.get(&key).and_then(|k| k.last);
         match last {
             Some(last) if ev.event_id <= last => {
                 count(&shared.metrics, DIR, "duplicate");
-                return;
+                return None;
             }
             Some(last) if ev.event_id > last.saturating_add(1) => {
+                count(&shared.metrics, DIR, "gap");
+                let range = (last + 1, ev.event_id - 1);
                 warn!(
                     worker = ev.worker_id,
                     dp = ev.dp_rank,
                     last,
                     event_id = ev.event_id,
-                    "dynamo: event id gap; the worker's blocks are cleared"
+                    "dynamo: event id gap"
                 );
-                count(&shared.metrics, DIR, "gap");
-                let instance = ev.worker_id.to_string();
-                shared
-                    .metrics
-                    .gaps
-                    .get_or_create(&WorkerLabels::new(&instance, ev.dp_rank))
-                    .inc();
-                let mut hub = shared.write();
-                hub.clear_blocks(id);
-                if let Some(w) = hub.worker_mut(id) {
-                    w.status.gaps += 1;
+                match self.ask(shared, source, Some(range), ev) {
+                    Ok(()) => return None,
+                    Err(ev) => {
+                        self.fall_back(shared, true, ev).await;
+                        return None;
+                    }
                 }
             }
+            // Ids start at 1: a first event past it means the collector came in late (or
+            // forgot the worker), and the worker's cache holds what it missed.
+            None if ev.event_id > 1 => match self.ask(shared, source, None, ev) {
+                Ok(()) => return None,
+                Err(ev) => {
+                    self.fall_back(shared, false, ev).await;
+                    return None;
+                }
+            },
             _ => {}
         }
+        self.apply(shared, id, key, ev).await;
+        count(&shared.metrics, DIR, "applied");
+        None
+    }
+
+    /// Starts the KV query for `ev`'s worker, holding `ev` back; gives `ev` back when no query
+    /// can be made (off, too many in flight, no subject to ask on), counted.
+    fn ask(
+        &mut self,
+        shared: &Arc<Shared>,
+        source: &Source,
+        range: Option<(u64, u64)>,
+        ev: RouterEvent,
+    ) -> Result<(), RouterEvent> {
+        let Some(recovery) = self.recovery.clone() else {
+            return Err(ev);
+        };
+        if self.held.len() >= MAX_QUERIES {
+            count(&shared.metrics, RECOVERY_DIR, "busy");
+            return Err(ev);
+        }
+        let subject = source
+            .publisher_id
+            .and_then(|p| naming::query_subject(&source.subject, p, ev.worker_id));
+        let Some(subject) = subject else {
+            count(&shared.metrics, RECOVERY_DIR, "unaddressable");
+            return Err(ev);
+        };
+        let key = (ev.worker_id, ev.dp_rank);
+        self.tokens += 1;
+        let token = self.tokens;
+        let query = Query {
+            subject,
+            worker_id: ev.worker_id,
+            dp_rank: ev.dp_rank,
+            range,
+        };
+        debug!(
+            worker = ev.worker_id,
+            dp = ev.dp_rank,
+            ?range,
+            "dynamo: KV query"
+        );
+        self.queries.spawn(async move {
+            Done {
+                key,
+                token,
+                range,
+                result: recovery.query(query).await,
+            }
+        });
+        self.held.insert(
+            key,
+            Held {
+                token,
+                gap: range.is_some(),
+                source: source.clone(),
+                events: vec![ev],
+            },
+        );
+        Ok(())
+    }
+
+    /// A query's answer: applied, then the worker's held events in order.
+    async fn on_done(&mut self, shared: &Arc<Shared>, done: Done) {
+        let Done {
+            key,
+            token,
+            range,
+            result,
+        } = done;
+        if self.held.get(&key).is_none_or(|h| h.token != token) {
+            // Given up meanwhile.
+            return;
+        }
+        let Some(held) = self.held.remove(&key) else {
+            return;
+        };
+        let id = self.current(shared, key);
+        let outcome = match (id, result) {
+            (None, _) => Err("unregistered"),
+            (Some(id), Ok(Answer::Events { events, .. })) => {
+                self.replay(shared, id, key, range, events).await
+            }
+            (Some(id), Ok(Answer::TreeDump { events, last })) => {
+                self.dump(shared, id, key, events, last).await;
+                Ok("dumped")
+            }
+            (Some(_), Ok(Answer::Refused(_))) => Err(Failure::Refused.outcome()),
+            (Some(_), Err(f)) => Err(f.outcome()),
+        };
+        let mut events: VecDeque<RouterEvent> = held.events.into();
+        match outcome {
+            Ok(outcome) => {
+                info!(
+                    worker = key.0,
+                    dp = key.1,
+                    outcome,
+                    "dynamo: KV query answered"
+                );
+                count(&shared.metrics, RECOVERY_DIR, outcome);
+            }
+            Err(outcome) => {
+                warn!(
+                    worker = key.0,
+                    dp = key.1,
+                    outcome,
+                    "dynamo: KV query failed; the worker's blocks go by its events alone"
+                );
+                count(&shared.metrics, RECOVERY_DIR, outcome);
+                if let Some(first) = events.pop_front() {
+                    self.fall_back(shared, held.gap, first).await;
+                }
+            }
+        }
+        self.feed(shared, &held.source, events).await;
+    }
+
+    /// The missed events of `range` applied in order; anything short of all of them fails.
+    async fn replay(
+        &mut self,
+        shared: &Arc<Shared>,
+        id: WorkerId,
+        key: (u64, u32),
+        range: Option<(u64, u64)>,
+        events: Vec<RouterEvent>,
+    ) -> Result<&'static str, &'static str> {
+        let Some((_, end)) = range else {
+            return Err(Failure::BadAnswer.outcome());
+        };
+        for ev in events {
+            let last = self.known.get(&key).and_then(|k| k.last).unwrap_or(0);
+            if (ev.worker_id, ev.dp_rank) != key || ev.event_id <= last || ev.event_id > end {
+                continue;
+            }
+            if ev.event_id != last + 1 {
+                return Err(Failure::BadAnswer.outcome());
+            }
+            self.apply(shared, id, key, ev).await;
+        }
+        let last = self.known.get(&key).and_then(|k| k.last);
+        if last == Some(end) {
+            Ok("recovered")
+        } else {
+            Err(Failure::BadAnswer.outcome())
+        }
+    }
+
+    /// The worker's whole cache: what it held is replaced, then it is at event id `last`.
+    async fn dump(
+        &mut self,
+        shared: &Arc<Shared>,
+        id: WorkerId,
+        key: (u64, u32),
+        events: Vec<RouterEvent>,
+        last: u64,
+    ) {
+        shared.write().clear_blocks(id);
+        for ev in events {
+            if (ev.worker_id, ev.dp_rank) != key || ev.data == EventData::Foreign {
+                continue;
+            }
+            // The dump's event ids are positions in it: the worker stands at `last`.
+            let Some(batch) = batch_of(ev) else {
+                continue;
+            };
+            shared.apply_batch(id, last, batch).await;
+        }
+        if let Some(k) = self.known.get_mut(&key) {
+            k.last = Some(last);
+        }
+        shared.notify();
+    }
+
+    /// Without an answer: on a gap the worker's blocks are cleared (what was missed may have
+    /// removed blocks it still appears to hold, and routing on blocks an engine dropped costs
+    /// more than routing on too few), counted; then `ev` is applied whatever its id.
+    async fn fall_back(&mut self, shared: &Arc<Shared>, gap: bool, ev: RouterEvent) {
+        let key = (ev.worker_id, ev.dp_rank);
+        let Some(id) = self.current(shared, key) else {
+            return;
+        };
+        if gap {
+            let instance = ev.worker_id.to_string();
+            shared
+                .metrics
+                .gaps
+                .get_or_create(&WorkerLabels::new(&instance, ev.dp_rank))
+                .inc();
+            let mut hub = shared.write();
+            hub.clear_blocks(id);
+            if let Some(w) = hub.worker_mut(id) {
+                w.status.gaps += 1;
+            }
+        }
+        self.apply(shared, id, key, ev).await;
+        count(&shared.metrics, DIR, "applied");
+    }
+
+    /// Applies one event of worker `id` and moves its last event id there.
+    async fn apply(
+        &mut self,
+        shared: &Arc<Shared>,
+        id: WorkerId,
+        key: (u64, u32),
+        ev: RouterEvent,
+    ) {
         if let Some(k) = self.known.get_mut(&key) {
             k.last = Some(ev.event_id);
         }
@@ -202,8 +507,22 @@ impl Reader {
             return;
         };
         shared.apply_batch(id, event_id, batch).await;
-        count(&shared.metrics, DIR, "applied");
         shared.notify();
+    }
+
+    /// The kvroute worker of a key this reader registered, if it is still that registration.
+    fn current(&mut self, shared: &Arc<Shared>, key: (u64, u32)) -> Option<WorkerId> {
+        let k = self.known.get(&key)?;
+        let current = shared
+            .read()
+            .worker(k.id)
+            .is_some_and(|w| w.generation == k.generation);
+        if current {
+            Some(k.id)
+        } else {
+            self.known.remove(&key);
+            None
+        }
     }
 
     /// The kvroute worker of Dynamo's `(worker_id, dp_rank)`, registered on first sight.
@@ -356,27 +675,75 @@ fn forget_restored(shared: &Arc<Shared>) {
     }
 }
 
-/// Runs for as long as the collector does: subscribes to the Dynamo subject (again after an
-/// error; the client itself resubscribes after a reconnect) and applies every message.
+/// Runs for as long as the collector does: subscribes to the Dynamo subjects (again after an
+/// error; the client itself resubscribes after a reconnect), applies every message and the
+/// KV queries' answers, and serves the answers' listener.
 pub async fn run(shared: Arc<Shared>, bus: Arc<Bus>, client: async_nats::Client) {
     let Some(config) = bus.config.dynamo.clone() else {
         return;
     };
     forget_restored(&shared);
-    let subject = config.subject.clone();
-    let mut reader = Reader::new(config);
+    let recovery = match &config.recovery {
+        Some(rc) => match Recovery::bind(client.clone(), rc.clone(), &bus.config.url).await {
+            Ok(r) => {
+                info!(listen = %r.advertised(), "dynamo: KV queries on a gap, answers to this address");
+                Some(Arc::new(r))
+            }
+            Err(e) => {
+                warn!(error = %e, "dynamo: cannot listen for KV query answers; a gap clears the worker");
+                None
+            }
+        },
+        None => None,
+    };
+    let serve = recovery.clone().map(Recovery::serve);
+    let read = read(shared, client, config, recovery);
+    match serve {
+        Some(serve) => {
+            tokio::join!(serve, read);
+        }
+        None => read.await,
+    }
+}
+
+async fn read(
+    shared: Arc<Shared>,
+    client: async_nats::Client,
+    config: DynamoConfig,
+    recovery: Option<Arc<Recovery>>,
+) {
+    let subjects = config.subjects.clone();
+    let mut reader = Reader::new(config, recovery);
     let mut backoff = Duration::from_millis(100);
     loop {
-        match client.subscribe(subject.clone()).await {
-            Ok(mut sub) => {
-                backoff = Duration::from_millis(100);
-                info!(subject = %subject, "dynamo: reading KV events");
-                while let Some(msg) = sub.next().await {
-                    reader.on_message(&shared, &msg.payload).await;
+        let mut subs = Vec::new();
+        for subject in &subjects {
+            match client.subscribe(subject.clone()).await {
+                Ok(sub) => subs.push(sub),
+                Err(e) => {
+                    warn!(subject = %subject, error = %e, "dynamo: cannot subscribe; retrying");
+                    break;
                 }
-                debug!(subject = %subject, "dynamo: subscription ended");
             }
-            Err(e) => warn!(subject = %subject, error = %e, "dynamo: cannot subscribe; retrying"),
+        }
+        if subs.len() == subjects.len() {
+            backoff = Duration::from_millis(100);
+            info!(subjects = ?subjects, "dynamo: reading KV events");
+            let mut merged = futures_util::stream::select_all(subs);
+            loop {
+                tokio::select! {
+                    msg = merged.next() => match msg {
+                        Some(msg) => reader.on_message(&shared, msg.subject.as_str(), &msg.payload).await,
+                        None => break,
+                    },
+                    Some(done) = reader.queries.join_next(), if !reader.queries.is_empty() => {
+                        if let Ok(done) = done {
+                            reader.on_done(&shared, done).await;
+                        }
+                    }
+                }
+            }
+            debug!("dynamo: subscription ended");
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);

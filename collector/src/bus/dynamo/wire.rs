@@ -91,51 +91,210 @@ pub enum WireError {
     Bad(&'static str),
 }
 
+/// One decoded NATS message: the events it carries and, in an event-plane envelope, the
+/// publisher that sent it (the worker's KV query endpoint is named after it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Message {
+    pub publisher_id: Option<u64>,
+    pub events: Vec<RouterEvent>,
+}
+
 /// Decodes one NATS message of a Dynamo KV event subject.
 ///
 /// # Errors
 /// Anything that is not one of the shapes in the module doc.
-pub fn decode(payload: &[u8]) -> Result<RouterEvent, WireError> {
+pub fn decode(payload: &[u8]) -> Result<Message, WireError> {
     match payload.iter().find(|b| !b.is_ascii_whitespace()) {
         Some(b'{') => decode_json(payload),
-        _ => decode_msgpack(payload, true),
+        _ => decode_msgpack(&mut Reader::new(payload), true),
     }
 }
 
-/// A msgpack map: an envelope (when `envelope` allows one) or a bare `RouterEvent`.
-fn decode_msgpack(buf: &[u8], envelope: bool) -> Result<RouterEvent, WireError> {
-    let mut r = Reader::new(buf);
+/// A msgpack envelope (when `envelope` allows one), an array of `RouterEvent`s or one bare
+/// `RouterEvent`.
+fn decode_msgpack(r: &mut Reader<'_>, envelope: bool) -> Result<Message, WireError> {
+    if msgpack::is_array(r.peek()?) {
+        return Ok(Message {
+            publisher_id: None,
+            events: event_array(r)?,
+        });
+    }
     let fields = r.map_len()?;
-    let mut worker_id = None;
-    let mut tier = Tier::Gpu;
-    let mut foreign = false;
-    let mut event = None;
+    let mut ev = EventFields::default();
+    let (mut publisher_id, mut payload) = (None, None);
     for _ in 0..fields {
         match r.str()? {
-            // Envelopes nest once: the payload of an envelope must be the event itself.
+            // Envelopes nest once: the payload of an envelope is events, never an envelope.
             "payload" if envelope => {
                 let at = r.at();
-                let inner = r.bin()?.ok_or(msgpack::DecodeError::Type {
+                payload = Some(r.bin()?.ok_or(msgpack::DecodeError::Type {
                     at,
                     expected: "bin",
-                })?;
-                return decode_msgpack(inner, false);
+                })?);
             }
-            "worker_id" => worker_id = Some(uint(&mut r, "worker_id")?),
-            "storage_tier" => tier = tier_of(r.str()?)?,
-            "residency_domain" => foreign = foreign_domain(r.str()?)?,
-            "event" => event = Some(kv_event(&mut r)?),
+            "publisher_id" if envelope => publisher_id = Some(uint(r, "publisher_id")?),
+            key => ev.field(r, key)?,
+        }
+    }
+    if let Some(inner) = payload {
+        let mut m = decode_msgpack(&mut Reader::new(inner), false)?;
+        m.publisher_id = publisher_id;
+        return Ok(m);
+    }
+    Ok(Message {
+        publisher_id: None,
+        events: vec![ev.finish()?],
+    })
+}
+
+/// A msgpack array of `RouterEvent` maps.
+pub(crate) fn event_array(r: &mut Reader<'_>) -> Result<Vec<RouterEvent>, WireError> {
+    let n = r.array_len()?;
+    // An event is a map of at least two fields with their names: 20 bytes at the very least.
+    let n = r.checked_len(n as u64, 20, r.at())?;
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        let fields = r.map_len()?;
+        let mut ev = EventFields::default();
+        for _ in 0..fields {
+            let key = r.str()?;
+            ev.field(r, key)?;
+        }
+        v.push(ev.finish()?);
+    }
+    Ok(v)
+}
+
+/// The fields of one `RouterEvent` map as they are read.
+#[derive(Default)]
+struct EventFields {
+    worker_id: Option<u64>,
+    tier: Option<Tier>,
+    foreign: bool,
+    event: Option<(u64, u32, EventData)>,
+}
+
+impl EventFields {
+    fn field(&mut self, r: &mut Reader<'_>, key: &str) -> Result<(), WireError> {
+        match key {
+            "worker_id" => self.worker_id = Some(uint(r, "worker_id")?),
+            "storage_tier" => self.tier = Some(tier_of(r.str()?)?),
+            "residency_domain" => self.foreign = foreign_domain(r.str()?)?,
+            "event" => self.event = Some(kv_event(r)?),
+            _ => r.skip(0)?,
+        }
+        Ok(())
+    }
+
+    fn finish(self) -> Result<RouterEvent, WireError> {
+        let (event_id, dp_rank, data) = self.event.ok_or(WireError::Missing("event"))?;
+        Ok(RouterEvent {
+            worker_id: self.worker_id.ok_or(WireError::Missing("worker_id"))?,
+            dp_rank,
+            event_id,
+            tier: self.tier.unwrap_or(Tier::Gpu),
+            data: if self.foreign {
+                EventData::Foreign
+            } else {
+                data
+            },
+        })
+    }
+}
+
+/// What one data frame of a worker's answer to a KV query says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// The events of the range asked for, in order; `last` is the worker's newest event id.
+    Events { events: Vec<RouterEvent>, last: u64 },
+    /// The worker's whole cache as stores (their event ids are positions, not event ids),
+    /// as of event id `last`: what the worker held before is replaced.
+    TreeDump { events: Vec<RouterEvent>, last: u64 },
+    /// The worker could not answer: `TooNew`, `InvalidRange`, `TreeDumpFailed` or `Error`.
+    Refused(&'static str),
+}
+
+/// One data frame of the answer: `{"data"?: WorkerKvQueryResponse, "complete_final": bool}`
+/// (the last frame carries only `complete_final: true`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QueryFrame {
+    pub answer: Option<Answer>,
+    pub complete_final: bool,
+}
+
+/// Decodes one data frame of a worker's KV query answer (msgpack with field names; the
+/// response enum externally tagged, `{"Events": {"events", "last_event_id"}}`, ...).
+///
+/// # Errors
+/// Anything of another shape.
+pub fn decode_query_frame(body: &[u8]) -> Result<QueryFrame, WireError> {
+    let mut r = Reader::new(body);
+    let fields = r.map_len()?;
+    let mut frame = QueryFrame {
+        answer: None,
+        complete_final: false,
+    };
+    for _ in 0..fields {
+        match r.str()? {
+            "complete_final" => {
+                frame.complete_final = match r.u8()? {
+                    0xc3 => true,
+                    0xc2 => false,
+                    _ => return Err(WireError::Bad("complete_final")),
+                }
+            }
+            "data" if msgpack::is_map(r.peek()?) => {
+                if r.map_len()? != 1 {
+                    return Err(WireError::Bad("data (one variant)"));
+                }
+                let variant = r.str()?;
+                frame.answer = Some(match variant {
+                    "Events" | "TreeDump" => {
+                        let (events, last) = answer_events(&mut r)?;
+                        if variant == "Events" {
+                            Answer::Events { events, last }
+                        } else {
+                            Answer::TreeDump { events, last }
+                        }
+                    }
+                    _ => {
+                        r.skip(0)?;
+                        Answer::Refused(refusal(variant)?)
+                    }
+                });
+            }
+            "data" => frame.answer = Some(Answer::Refused(refusal(r.str()?)?)),
             _ => r.skip(0)?,
         }
     }
-    let (event_id, dp_rank, data) = event.ok_or(WireError::Missing("event"))?;
-    Ok(RouterEvent {
-        worker_id: worker_id.ok_or(WireError::Missing("worker_id"))?,
-        dp_rank,
-        event_id,
-        tier,
-        data: if foreign { EventData::Foreign } else { data },
+    Ok(frame)
+}
+
+fn refusal(variant: &str) -> Result<&'static str, WireError> {
+    Ok(match variant {
+        "TooNew" => "TooNew",
+        "InvalidRange" => "InvalidRange",
+        "TreeDumpFailed" => "TreeDumpFailed",
+        "Error" => "Error",
+        _ => return Err(WireError::Bad("data variant")),
     })
+}
+
+/// `{"events": [RouterEvent], "last_event_id": u64, ..}`.
+fn answer_events(r: &mut Reader<'_>) -> Result<(Vec<RouterEvent>, u64), WireError> {
+    let fields = r.map_len()?;
+    let (mut events, mut last) = (None, None);
+    for _ in 0..fields {
+        match r.str()? {
+            "events" => events = Some(event_array(r)?),
+            "last_event_id" => last = Some(uint(r, "last_event_id")?),
+            _ => r.skip(0)?,
+        }
+    }
+    Ok((
+        events.ok_or(WireError::Missing("events"))?,
+        last.ok_or(WireError::Missing("last_event_id"))?,
+    ))
 }
 
 /// `{"event_id", "data", "dp_rank"}`.
@@ -293,6 +452,7 @@ fn foreign_domain(s: &str) -> Result<bool, WireError> {
 /// The JSON forms: a `RouterEvent`, or the first event plane's `NatsEnvelope` around one.
 #[derive(Deserialize)]
 struct JsonTop {
+    publisher_id: Option<u64>,
     worker_id: Option<u64>,
     storage_tier: Option<String>,
     residency_domain: Option<String>,
@@ -333,7 +493,7 @@ struct JsonRemove {
     block_hashes: Vec<u64>,
 }
 
-fn decode_json(payload: &[u8]) -> Result<RouterEvent, WireError> {
+fn decode_json(payload: &[u8]) -> Result<Message, WireError> {
     let top: JsonTop =
         serde_json::from_slice(payload).map_err(|e| WireError::Json(e.to_string()))?;
     if let Some(inner) = top.payload {
@@ -343,9 +503,15 @@ fn decode_json(payload: &[u8]) -> Result<RouterEvent, WireError> {
         if inner.payload.is_some() {
             return Err(WireError::Bad("payload (nested envelope)"));
         }
-        return json_event(inner);
+        return Ok(Message {
+            publisher_id: top.publisher_id,
+            events: vec![json_event(inner)?],
+        });
     }
-    json_event(top)
+    Ok(Message {
+        publisher_id: None,
+        events: vec![json_event(top)?],
+    })
 }
 
 fn json_event(top: JsonTop) -> Result<RouterEvent, WireError> {
@@ -467,9 +633,28 @@ mod tests {
                 ],
             },
         };
-        assert_eq!(decode(&envelope(&stored_event())), Ok(want.clone()));
+        assert_eq!(
+            decode(&envelope(&stored_event())),
+            Ok(Message {
+                publisher_id: Some(99),
+                events: vec![want.clone()]
+            })
+        );
         // The bare event too.
-        assert_eq!(decode(&stored_event()), Ok(want));
+        assert_eq!(
+            decode(&stored_event()).map(|m| m.events),
+            Ok(vec![want.clone()])
+        );
+        // And an array of them, bare or in an envelope (ai-dynamo 1.6.1 sends an array).
+        let mut arr = vec![0x92];
+        arr.extend(stored_event());
+        arr.extend(stored_event());
+        assert_eq!(
+            decode(&envelope(&arr)).map(|m| m.events),
+            Ok(vec![want.clone(), want.clone()])
+        );
+        assert_eq!(decode(&arr).map(|m| m.events.len()), Ok(2));
+        assert_eq!(decode(&envelope(&[0x90])).map(|m| m.events), Ok(vec![]));
     }
 
     #[test]
@@ -485,7 +670,7 @@ mod tests {
             u(&mut m, 0);
             s(&mut m, "data");
             m.extend_from_slice(data);
-            let e = decode(&envelope(&m)).unwrap();
+            let e = decode(&envelope(&m)).unwrap().events.remove(0);
             assert_eq!(
                 (e.data, e.dp_rank, e.tier),
                 (EventData::Cleared, 0, Tier::Gpu)
@@ -503,14 +688,21 @@ mod tests {
             tier: Tier::Gpu,
             data: EventData::Removed(vec![EngineHash(1), EngineHash(u64::MAX)]),
         };
-        assert_eq!(decode(json.as_bytes()), Ok(want.clone()));
+        let one = |v: RouterEvent, p| Message {
+            publisher_id: p,
+            events: vec![v],
+        };
+        assert_eq!(decode(json.as_bytes()), Ok(one(want.clone(), None)));
         let env = format!(
             r#"{{"publisher_id":1,"sequence":0,"published_at":0,"payload":{:?}}}"#,
             json.as_bytes()
         );
-        assert_eq!(decode(env.as_bytes()), Ok(want));
+        assert_eq!(decode(env.as_bytes()), Ok(one(want, Some(1))));
         let owner = r#"{"worker_id":5,"residency_domain":"cache_owner","storage_tier":"disk","event":{"event_id":1,"data":"cleared"}}"#;
-        assert_eq!(decode(owner.as_bytes()).unwrap().data, EventData::Foreign);
+        assert_eq!(
+            decode(owner.as_bytes()).unwrap().events[0].data,
+            EventData::Foreign
+        );
     }
 
     #[test]
@@ -531,10 +723,162 @@ mod tests {
             envelope(&envelope(&stored_event())),
             // Truncated.
             envelope(&stored_event())[..40].to_vec(),
+            // An array that claims more events than it has bytes for.
+            envelope(&[0xdd, 0x7f, 0xff, 0xff, 0xff]),
         ];
         for c in cases {
             assert!(decode(&c).is_err(), "{c:?}");
         }
+    }
+
+    /// `### ...` sections of a testdata/dynamo file: each one's `key: value` lines.
+    fn sections(text: &str) -> Vec<std::collections::HashMap<&str, &str>> {
+        text.split("\n### ")
+            .skip(1)
+            .map(|sec| {
+                sec.lines()
+                    .skip(1)
+                    .filter_map(|l| l.split_once(": "))
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    /// The decoded form a vector file gives for one `RouterEvent` (Python's msgpack reading).
+    fn expected(v: &serde_json::Value) -> RouterEvent {
+        let ev = &v["event"];
+        let data = &ev["data"];
+        let u = |v: &serde_json::Value| v.as_u64().unwrap();
+        RouterEvent {
+            worker_id: u(&v["worker_id"]),
+            dp_rank: u(&ev["dp_rank"]) as u32,
+            event_id: u(&ev["event_id"]),
+            tier: Tier::Gpu,
+            data: if let Some(st) = data.get("stored") {
+                EventData::Stored {
+                    parent: st["parent_hash"].as_u64().map(EngineHash),
+                    blocks: st["blocks"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|b| {
+                            (
+                                EngineHash(u(&b["block_hash"])),
+                                BlockHash(u(&b["tokens_hash"])),
+                            )
+                        })
+                        .collect(),
+                }
+            } else {
+                EventData::Removed(
+                    data["removed"]["block_hashes"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|h| EngineHash(u(h)))
+                        .collect(),
+                )
+            },
+        }
+    }
+
+    #[test]
+    fn ai_dynamo_1_6_1_messages_decode_byte_for_byte() {
+        let text = include_str!("../../../../testdata/dynamo/kv_events_1.6.1.txt");
+        let vectors = sections(text);
+        assert_eq!(vectors.len(), 4);
+        let mut kinds = Vec::new();
+        for v in vectors {
+            let want: serde_json::Value = serde_json::from_str(v["decoded"]).unwrap();
+            let got = decode(&unhex(v["hex"])).unwrap();
+            assert_eq!(got.publisher_id, want["publisher_id"].as_u64());
+            let events: Vec<RouterEvent> = want["payload"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(expected)
+                .collect();
+            assert_eq!(got.events, events);
+            kinds.push(got.events.len());
+        }
+        // Three one-event arrays, then a removal and a store in one message.
+        assert_eq!(kinds, [1, 1, 1, 2]);
+    }
+
+    #[test]
+    fn ai_dynamo_1_6_1_query_answers_decode() {
+        let text = include_str!("../../../../testdata/dynamo/worker_kv_query_1.6.1.txt");
+        let mut seen = Vec::new();
+        for v in sections(text) {
+            let frames: serde_json::Value = serde_json::from_str(v["frames"]).unwrap();
+            let stream = unhex(v["stream"]);
+            // The framing: 24 bytes (header length, body length, checksum; big-endian u64s).
+            let (mut at, mut answers) = (0, Vec::new());
+            for f in frames.as_array().unwrap() {
+                let len = |i: usize| {
+                    u64::from_be_bytes(stream[at + i..at + i + 8].try_into().unwrap()) as usize
+                };
+                let (hl, bl) = (len(0), len(8));
+                at += 24;
+                assert_eq!(f["header"].is_null(), hl == 0);
+                at += hl;
+                if bl > 0 {
+                    let frame = decode_query_frame(&stream[at..at + bl]).unwrap();
+                    assert_eq!(frame.complete_final, f["body"]["complete_final"] == true);
+                    answers.extend(frame.answer);
+                }
+                at += bl;
+            }
+            assert_eq!(at, stream.len());
+            let data = &frames[2]["body"]["data"];
+            let want = if let Some(e) = data.get("Events") {
+                Answer::Events {
+                    events: e["events"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(expected)
+                        .collect(),
+                    last: e["last_event_id"].as_u64().unwrap(),
+                }
+            } else if let Some(e) = data.get("TreeDump") {
+                Answer::TreeDump {
+                    events: e["events"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(expected)
+                        .collect(),
+                    last: e["last_event_id"].as_u64().unwrap(),
+                }
+            } else {
+                let name = data.as_object().unwrap().keys().next().unwrap().clone();
+                Answer::Refused(refusal(&name).unwrap())
+            };
+            assert_eq!(answers, std::slice::from_ref(&want));
+            seen.push(match want {
+                Answer::Events { events, last } => format!("events {} last {last}", events.len()),
+                Answer::TreeDump { events, last } => format!("dump {} last {last}", events.len()),
+                Answer::Refused(r) => r.to_owned(),
+            });
+        }
+        assert_eq!(
+            seen,
+            [
+                "events 2 last 3",
+                "dump 4 last 3",
+                "TooNew",
+                "InvalidRange",
+                "Error"
+            ]
+        );
     }
 
     proptest! {
@@ -551,6 +895,11 @@ mod tests {
             }
             m.truncate(cut.min(m.len()));
             let _ = decode(&m);
+        }
+
+        #[test]
+        fn arbitrary_query_frames_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode_query_frame(&bytes);
         }
     }
 }
