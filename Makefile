@@ -86,6 +86,15 @@ test-e2e: wasm
 	KVROUTE_PROFILE=debug python3 envoy-config/e2e_test.py
 	KVROUTE_PROFILE=debug python3 envoy-config/e2e_text_test.py
 	KVROUTE_PROFILE=debug python3 envoy-config/e2e_alarm_test.py
+	$(MAKE) test-dynamo-interop
+
+## make test-dynamo-interop: the Dynamo reader against a real ai-dynamo 1.6.1 worker (its CPU
+## mocker, installed in $(TARGET_DIR)/dynamo-venv: about a minute the first time, seconds after).
+test-dynamo-interop:
+	$(CARGO) build -j$(JOBS) -p kvroute-collector
+	bash tools/install-nats-server.sh >/dev/null
+	KVROUTE_PROFILE=debug python3 collector/tests/dynamo_interop.py
+.PHONY: test-dynamo-interop
 
 ## The filter without its load books (feature bench-unbooked), for the host bench only: the
 ## bookkeeping line prices the books as the difference. Never shipped.

@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""The Dynamo reader against a real NVIDIA Dynamo 1.6.1 worker (`make test-dynamo-interop`).
+
+Installs ai-dynamo 1.6.1 and its runtime in a venv (target/dynamo-venv, reused when it already
+holds them), starts nats-server, Dynamo's mocker engine (CPU, file discovery, the NATS event
+and request planes) and kvroute-collector binaries with --dynamo-namespace, sends requests
+through Dynamo's own client, and checks through the collectors' /query that:
+
+1. a collector running from the start indexes every block the worker reports (the 1.6.1
+   subject and event arrays), nothing undecodable;
+2. a collector started after those events were published asks the worker's KV query endpoint
+   for its whole cache on the first event it hears and then matches the earlier prompts too;
+3. the same late start with --dynamo-recovery off does not (the prompts published before it
+   started match nothing there).
+
+Nothing is skipped: a failed install or a missing binary fails the test, with the reason.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
+PROFILE = os.environ.get("KVROUTE_PROFILE", "debug")
+COLLECTOR = TARGET / PROFILE / "kvroute-collector"
+VENV = Path(os.environ.get("KVROUTE_DYNAMO_VENV", TARGET / "dynamo-venv"))
+DYNAMO_VERSION = "1.6.1"
+PACKAGES = [f"ai-dynamo-runtime=={DYNAMO_VERSION}", "aiohttp", "certifi", "kubernetes<33",
+            "msgpack", "msgspec", "prometheus-client", "pyzmq", "redis<9", "tqdm",
+            "transformers>=4.56", "typing-extensions", "zstandard", "nats-py"]
+BLOCK = 16
+MODEL = "mock"
+DEADLINE = 60.0
+
+procs = []
+
+
+def log(msg):
+    print(f"[dynamo-interop {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def fail(msg):
+    log("FAIL: " + msg)
+    for p, name, path in procs:
+        if path and Path(path).exists():
+            tail = Path(path).read_text(errors="replace").splitlines()[-15:]
+            print(f"--- last lines of {name} ---\n" + "\n".join(tail), flush=True)
+    stop_all()
+    sys.exit(1)
+
+
+def stop_all():
+    for p, _, _ in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p, _, _ in reversed(procs):
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    procs.clear()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(name, argv, env, logdir):
+    path = logdir / f"{name}.log"
+    f = open(path, "w")
+    p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    procs.append((p, name, path))
+    return p, path
+
+
+def venv_python():
+    return VENV / "bin" / "python"
+
+
+def venv_ready():
+    py = venv_python()
+    if not py.exists():
+        return False
+    probe = ("import importlib.metadata as m, sys; import dynamo.mocker, nats, msgpack; "
+             f"sys.exit(m.version('ai-dynamo') != '{DYNAMO_VERSION}' or "
+             f"m.version('ai-dynamo-runtime') != '{DYNAMO_VERSION}')")
+    return subprocess.run([str(py), "-c", probe], capture_output=True).returncode == 0
+
+
+def install():
+    """The venv with ai-dynamo 1.6.1 (the wheel alone: its declared dependencies pull engines
+    the mocker does not need) and what its mocker imports."""
+    if venv_ready():
+        log(f"reusing {VENV}")
+        return
+    t0 = time.time()
+    log(f"installing ai-dynamo {DYNAMO_VERSION} into {VENV} (about a minute)")
+    shutil.rmtree(VENV, ignore_errors=True)
+    steps = [[sys.executable, "-m", "venv", str(VENV)]]
+    pip = [str(venv_python()), "-m", "pip", "--disable-pip-version-check", "-q"]
+    dl = VENV / "dl"
+    steps += [pip + ["download", f"ai-dynamo=={DYNAMO_VERSION}", "--no-deps", "-d", str(dl)],
+              pip + ["install", "--no-deps", str(dl / f"ai_dynamo-{DYNAMO_VERSION}-py3-none-any.whl")],
+              pip + ["install"] + PACKAGES]
+    for argv in steps:
+        r = subprocess.run(argv, capture_output=True, text=True)
+        if r.returncode != 0:
+            fail(f"installing Dynamo failed: {' '.join(argv)}\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
+    if not venv_ready():
+        fail("Dynamo installed but `import dynamo.mocker` or its version check fails")
+    log(f"installed in {time.time() - t0:.0f} s")
+
+
+CLIENT = r'''
+import asyncio, sys
+from dynamo._core import DistributedRuntime
+async def main():
+    rt = DistributedRuntime(asyncio.get_running_loop(), "file", "nats", event_plane="nats")
+    client = await rt.endpoint("dynamo.backend.generate").client()
+    await asyncio.wait_for(client.wait_for_instances(), 30)
+    for k in map(int, sys.argv[1:]):
+        req = {"token_ids": list(range(1000, 1048)) + list(range(2000 + 100 * k, 2020 + 100 * k)),
+               "stop_conditions": {"max_tokens": 4}, "sampling_options": {},
+               "output_options": {}, "eos_token_ids": []}
+        async for _ in await client.generate(req):
+            pass
+    rt.shutdown()
+asyncio.run(main())
+'''
+
+
+def prompt(k):
+    """Request k's first four blocks: 48 shared tokens, then 16 of its own."""
+    return list(range(1000, 1048)) + list(range(2000 + 100 * k, 2016 + 100 * k))
+
+
+def send(env, *ks):
+    r = subprocess.run([str(venv_python()), "-c", CLIENT] + [str(k) for k in ks],
+                       env=env, capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        fail(f"Dynamo's client failed:\n{r.stderr[-3000:]}")
+
+
+def http(port, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        raw = r.read()
+    return json.loads(raw) if path != "/metrics" else raw.decode()
+
+
+def matched(port, k):
+    """Each instance's longest match of request k's prompt, in tokens."""
+    try:
+        r = http(port, "/query", {"token_ids": prompt(k), "model_name": MODEL})
+    except urllib.error.HTTPError as e:
+        if e.code == 404:  # no worker of that model registered yet
+            return {}
+        raise
+    return {i: m["longest_matched"] for i, m in r["instances"].items()}
+
+
+def count(port, dir_, outcome):
+    text = http(port, "/metrics")
+    m = re.search(rf'kvroute_bus_messages_total{{dir="{dir_}",outcome="{outcome}"}} (\d+)', text)
+    return int(m.group(1)) if m else 0
+
+
+def until(what, check, deadline=DEADLINE):
+    end = time.time() + deadline
+    while True:
+        last = check()
+        if last is True:
+            return
+        if time.time() > end:
+            fail(f"{what}: still {last!r} after {deadline:.0f} s")
+        time.sleep(0.2)
+
+
+def wait_health(port, name):
+    def ok():
+        try:
+            return http(port, "/health")["status"] == "ok" or "not ok"
+        except Exception as e:  # not up yet
+            return repr(e)
+    until(f"{name} /health", ok, 30)
+
+
+def collector(name, nats_url, logdir, *extra):
+    port = free_port()
+    argv = [str(COLLECTOR), "--listen", f"127.0.0.1:{port}", "--nats", nats_url,
+            "--dynamo-namespace", "dynamo", "--dynamo-model", MODEL,
+            "--dynamo-block-size", str(BLOCK), "--dynamo-address", "127.0.0.1:9", *extra]
+    start(name, argv, dict(os.environ, RUST_LOG="info"), logdir)
+    wait_health(port, name)
+    # NATS Core keeps nothing for a late subscriber: the reader must be subscribed before the
+    # events this test counts on are published.
+    until(f"{name} subscribed", lambda: "dynamo: reading KV events" in (logdir / f"{name}.log").read_text() or "no", 30)
+    return port
+
+
+def main():
+    t0 = time.time()
+    if not COLLECTOR.exists():
+        fail(f"{COLLECTOR} missing: `cargo build -p kvroute-collector` first (make test-e2e does)")
+    install()
+    nats_bin = subprocess.run(["bash", str(ROOT / "tools/install-nats-server.sh")],
+                              capture_output=True, text=True)
+    if nats_bin.returncode != 0:
+        fail("tools/install-nats-server.sh failed:\n" + nats_bin.stderr)
+    work = Path(tempfile.mkdtemp(prefix="kvroute-dynamo-"))
+    nats_port = free_port()
+    nats_url = f"nats://127.0.0.1:{nats_port}"
+    start("nats-server", [nats_bin.stdout.strip(), "-a", "127.0.0.1", "-p", str(nats_port),
+                          "-js", "-sd", str(work / "js")], dict(os.environ), work)
+    env = dict(os.environ, NATS_SERVER=nats_url, DYN_DISCOVERY_BACKEND="file",
+               DYN_FILE_KV=str(work / "discovery"), DYN_EVENT_PLANE="nats",
+               DYN_REQUEST_PLANE="nats", DYN_TCP_RPC_HOST="127.0.0.1", HF_HUB_OFFLINE="1",
+               DYN_LOG="info")
+    a = collector("collector-a", nats_url, work)
+    start("mocker", [str(venv_python()), "-m", "dynamo.mocker", "--num-gpu-blocks-override", "64",
+                     "--block-size", str(BLOCK), "--kv-bytes-per-token", "64"], env, work)
+    until("the mocker's KV query endpoint", lambda: "worker_kv_query_source" in (work / "mocker.log").read_text() or "not yet", 60)
+
+    # 1. From the start: every prompt's four blocks, under the worker's Dynamo id.
+    send(env, 0, 1, 2)
+    until("collector A matches request 2", lambda: list(matched(a, 2).values()) == [64] or matched(a, 2))
+    worker = next(iter(matched(a, 2)))
+    for k in (0, 1):
+        if matched(a, k) != {worker: 64}:
+            fail(f"collector A, request {k}: {matched(a, k)}")
+    for outcome in ("undecodable", "too_large", "gap"):
+        if count(a, "dynamo", outcome):
+            fail(f"collector A counted {outcome}: {count(a, 'dynamo', outcome)}")
+    log(f"collector A: worker {worker}, requests 0-2 matched 64 tokens each "
+        f"({count(a, 'dynamo', 'applied')} events applied)")
+
+    # 2. and 3. Late: requests 0-2 were published before these two started.
+    b = collector("collector-b", nats_url, work)
+    c = collector("collector-c", nats_url, work, "--dynamo-recovery", "off")
+    send(env, 3)
+    until("collector B matches request 3", lambda: matched(b, 3) == {worker: 64} or matched(b, 3))
+    for k in (0, 1, 2):
+        if matched(b, k) != {worker: 64}:
+            fail(f"collector B (late, recovery nats), request {k}: {matched(b, k)}")
+    if count(b, "dynamo_recovery", "dumped") != 1:
+        fail(f"collector B: {count(b, 'dynamo_recovery', 'dumped')} tree dumps, not 1")
+    log("collector B (late start, --dynamo-recovery nats): the worker's tree dump, requests 0-3 matched")
+    until("collector C hears request 3", lambda: count(c, "dynamo", "applied") >= 1 or "nothing applied")
+    for k in (0, 1, 2, 3):
+        got = matched(c, k).get(worker, 0)
+        if got != 0:
+            fail(f"collector C (late, recovery off) matches request {k} for {got} tokens: "
+                 "it cannot know blocks stored before it started")
+    log("collector C (late start, --dynamo-recovery off): requests 0-3 match nothing, as expected")
+    if matched(a, 3) != {worker: 64}:
+        fail(f"collector A, request 3: {matched(a, 3)}")
+    stop_all()
+    shutil.rmtree(work, ignore_errors=True)
+    log(f"PASS in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException as e:  # a crash of the test itself still stops what it started
+        stop_all()
+        raise
