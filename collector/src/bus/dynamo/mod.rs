@@ -4,62 +4,57 @@
 //!
 //! # What Dynamo publishes (the facts this module relies on)
 //!
-//! Read in `ai-dynamo/dynamo` (no code copied; files and the commits they were read at, all
-//! from its 2026 main line, whose workspace version reads 1.2.0 at 0230a315ea6a and whose
-//! msgpack is `rmp-serde` 1):
+//! Checked against a real ai-dynamo 1.6.1 worker (`ai-dynamo` and `ai-dynamo-runtime` 1.6.1
+//! from PyPI, its mocker engine on CPU, `DYN_EVENT_PLANE=nats`, `DYN_REQUEST_PLANE=nats`),
+//! whose messages and query answers are in `testdata/dynamo/` byte for byte, and run by
+//! `make test-dynamo-interop` (`collector/tests/dynamo_interop.py`):
 //!
-//! - `lib/kv-router/src/protocols.rs` (038eab23a6b6): `KV_EVENT_SUBJECT = "kv-events"`; the
-//!   `RouterEvent { worker_id, storage_tier, residency_domain?, event: KvCacheEvent
-//!   { event_id, data, dp_rank }, state_source? }` family; `KvCacheStoredBlockData
-//!   { block_hash, tokens_hash, mm_extra_info }`, where `tokens_hash` is `LocalBlockHash`:
-//!   xxh3-64 of the block's tokens as little-endian u32 under seed 1337 (with a LoRA or cache
-//!   namespace folded into the seed), and `block_hash` the engine's own hash. Shapes in
-//!   [`wire`].
-//! - `lib/llm/src/kv_router/publisher/sinks.rs` (833037a8d607): a worker publishes each
-//!   `RouterEvent` on its own through the event plane (`EventPublisher::publish`), or, in the
-//!   legacy durable mode, to JetStream (`NatsQueue`).
-//! - `lib/runtime/src/transports/event_plane/mod.rs` (0e8f30094624), `codec.rs`
-//!   (bf0be57c8cf2), `traits.rs` (331ac67bd472), and the discovery module's `EventScope`: the
-//!   subject is `namespace.<ns>.component.<component>.kv-events`, every segment
-//!   percent-encoded outside `[A-Za-z0-9_-]`; on NATS the message is the msgpack
-//!   `EventEnvelope { publisher_id, sequence, published_at, topic, payload }` with the msgpack
-//!   `RouterEvent` as `payload`, both written with field names. Older releases published the
-//!   JSON `RouterEvent` on `namespace.<ns>.component.<component>.kv_events`
-//!   (`--dynamo-subject` names it; [`wire`] reads both encodings).
-//! - Pull request ai-dynamo/dynamo#4921 (2025-12): with every worker's local indexer on,
-//!   workers publish on NATS Core instead of JetStream; event ids are consecutive per worker,
-//!   and on a jump the router asks the worker's local indexer for the missing range.
-//!   `lib/llm/src/kv_router/indexer/recovery/worker_query_transport.rs` (5c97a400342b): that
-//!   query (`WorkerKvQueryRequest { worker_id, dp_rank, start_event_id, end_event_id,
-//!   supports_tree_dump_failed, kind }`) now travels on Dynamo's *request plane*: addressed to
-//!   the worker's discovered instance through `AddressedPushRouter`, TCP by default, answered
-//!   as a response stream. Not a NATS request/reply a client can make without Dynamo's
-//!   runtime, so it is not made here (below).
-//! - `lib/llm/src/kv_router/indexer/recovery/worker_query_state.rs` (02d6b3f471b3) and
-//!   `subscriber.rs` (073c558e6cdd): Dynamo's router follows event ids per `(worker id, dp
-//!   rank)`; an id at or below the last applied is stale and ignored, a jump starts the
-//!   recovery query; JetStream (`--durable-kv-events`) is deprecated in favour of this mode.
+//! - The subject is `namespace.<ns>.component.<component>.endpoint.<endpoint>.kv-events`
+//!   (`generate` for the mocker), every segment percent-encoded outside `[A-Za-z0-9_-]`.
+//!   Dynamo's 2026 main line before the endpoint joined it (read at 0e8f30094624,
+//!   `lib/runtime/src/transports/event_plane/`) used `namespace.<ns>.component.<c>.kv-events`;
+//!   releases before the event plane published a JSON `RouterEvent` on `...kv_events`.
+//! - A message is the msgpack `EventEnvelope { publisher_id, sequence (from 0), published_at,
+//!   topic, payload }`, written with field names; `payload` is a msgpack *array* of
+//!   `RouterEvent { worker_id, storage_tier, residency_domain: "worker", event: KvCacheEvent
+//!   { event_id, data, dp_rank } }` (one, or a removal and a store together). Event ids start
+//!   at 1 and go up by one per worker and dp rank. Shapes in [`wire`]; the earlier single
+//!   event in the envelope and the JSON forms are read too.
+//! - `KvCacheStoredBlockData { block_hash, tokens_hash, mm_extra_info }`: `tokens_hash` is
+//!   `LocalBlockHash`, xxh3-64 of the block's tokens as little-endian u32 under seed 1337 (a
+//!   LoRA or cache namespace folded into the seed); `block_hash` the engine's own hash
+//!   (`lib/kv-router/src/protocols.rs`, read at 038eab23a6b6).
+//! - Every worker runs a local indexer and answers a KV query (`WorkerKvQueryRequest
+//!   { worker_id, dp_rank, start_event_id, end_event_id, supports_tree_dump_failed, kind }`)
+//!   on its request plane, at endpoint `worker_kv_query_source_<publisher id, hex>`: Dynamo's
+//!   router asks it on a jump in event ids. On the NATS request plane that endpoint is the
+//!   NATS subject `<ns>_<component>.worker_kv_query_source_<publisher id>-<worker id>` (hex),
+//!   answered over a TCP connection back to the asker ([`recovery`] has the exchange). On the
+//!   TCP request plane (Dynamo's default) the worker's address is only in Dynamo's discovery
+//!   (etcd, Kubernetes, or files), which kvroute does not read.
 //!
 //! # What this reader does
 //!
-//! - **Subscribes** (NATS Core, the `--nats` server) to `--dynamo-subject`, by default
-//!   `namespace.<NS>.component.<C>.kv-events`, `*` for the component when none is given: every
-//!   worker of the namespace.
+//! - **Subscribes** (NATS Core, the `--nats` server) to `--dynamo-subject`, by default both
+//!   `namespace.<NS>.component.<C>.endpoint.*.kv-events` and
+//!   `namespace.<NS>.component.<C>.kv-events` ([`naming::subjects`]), `*` for the component
+//!   when none is given: every worker of the namespace, whichever of the two namings its
+//!   release uses.
 //! - **Bounds** each message before decoding: over `--dynamo-max-message-bytes` it is counted
 //!   `too_large` and skipped; a message that does not decode is counted `undecodable` and
-//!   skipped. Counts are `kvroute_bus_messages_total{dir="dynamo",outcome}`.
+//!   skipped. Then each of its events is taken in order and counted (`applied`, `duplicate`,
+//!   `gap`, `foreign`). Counts are `kvroute_bus_messages_total{dir="dynamo",outcome}`.
 //! - **Registers** each Dynamo worker `(worker_id, dp_rank)` on its first event: instance id
 //!   the worker id in decimal (what Dynamo's `/query` and its standalone indexer call a
 //!   worker), `--dynamo-model`, `--dynamo-block-size`, `--dynamo-tenant`, and
 //!   `--dynamo-address` as the serving address. A Dynamo fleet's worker ids are drawn by its
 //!   runtime at every start and never configured, so an operator could not `/register` them
-//!   ahead (Dynamo's router learns them from its discovery plane, etcd or Kubernetes, which
-//!   kvroute does not read; the events name them too). The registration opens no socket
-//!   (its endpoint is the placeholder [`ENDPOINT`]) and is not published on the bus registry:
-//!   every collector with `--dynamo-namespace` reads the subject itself (NATS Core fans it out
-//!   to each). At most `--dynamo-max-workers` at once: a new worker past that unregisters the
-//!   one heard from least recently (`evicted`). A worker id already registered otherwise
-//!   (`/register` with other settings) is refused (`refused`) and its events skipped.
+//!   ahead. The registration opens no socket (its endpoint is the placeholder [`ENDPOINT`])
+//!   and is not published on the bus registry: every collector with `--dynamo-namespace` reads
+//!   the subject itself (NATS Core fans it out to each). At most `--dynamo-max-workers` at
+//!   once: a new worker past that unregisters the one heard from least recently (`evicted`).
+//!   A worker id already registered otherwise (`/register` with other settings) is refused
+//!   (`refused`) and its events skipped.
 //! - **Keys blocks on Dynamo's `tokens_hash`**: it is kvroute's contract block hash
 //!   (ARCHITECTURE.md, "Hashing"; `kvroute::hash`), so the index chains it as it would the
 //!   hash of the tokens ([`kvroute::event::StoredBlock::block_hash`]) and a request the filter
@@ -69,18 +64,26 @@
 //!   prefixes match. Multimodal blocks likewise (their hash folds in the images), and the
 //!   blocks of Eagle speculative-decoding workers (hashed over one token more).
 //! - **Applies** through [`Shared::apply_batch`], the path of ZMQ batches and of the stream.
-//! - **Gaps**: per worker and dp rank, event ids go up by one. The next one is applied; one at
-//!   or below the last is stale (`duplicate`, skipped, as Dynamo's router does); a jump is a
-//!   gap: counted (`gap`, the
-//!   worker's `gaps` and `kvroute_gaps_total`), the worker's blocks are cleared (what was
-//!   missed may have removed blocks it still appears to hold, and routing on blocks an engine
-//!   dropped costs more than routing on too few), and the event is applied. Dynamo's
-//!   replay-buffer query is not made (above); its blocks come back as the worker stores them.
+//! - **Gaps**: per worker and dp rank, the next event id is applied; one at or below the last
+//!   is stale (`duplicate`, skipped, as Dynamo's router does). A jump (`gap`), or a worker's
+//!   first event past id 1 (this collector started or forgot the worker after it published),
+//!   starts a KV query with `--dynamo-recovery nats` (the default; [`recovery`]): the missing
+//!   range for a jump, the whole cache (a tree dump) for a first sight. The worker's events
+//!   wait meanwhile ([`MAX_HELD`] at most; [`MAX_QUERIES`] queries at once). The missing
+//!   events are applied in order (`recovered`), or the dump replaces what the worker held
+//!   (`dumped`); then the waiting events, by the same rules. Without an answer (`off`, no
+//!   subject to ask on, too many queries, too many events waiting, no responder, timeout,
+//!   refusal, an answer too large or malformed, each counted under
+//!   `kvroute_bus_messages_total{dir="dynamo_recovery",outcome}`) a jump clears the worker's
+//!   blocks (what was missed may have removed blocks it still appears to hold, and routing on
+//!   blocks an engine dropped costs more than routing on too few), counted in the worker's
+//!   `gaps` and `kvroute_sequence_gaps_total`; the event is applied either way.
 //! - `residency_domain: cache_owner` events (a shared cache pool, not the worker's own) are
 //!   counted `foreign` and skipped.
 //! - With `--state-dir`, Dynamo workers restored from the snapshot are unregistered at start:
 //!   the events published while the collector was down are gone (NATS Core keeps none), so
-//!   their blocks cannot be trusted; they register again on their next event.
+//!   their blocks cannot be trusted; they register again on their next event, and with the
+//!   KV query on, their cache comes back whole as a tree dump.
 
 pub mod naming;
 pub mod recovery;

@@ -1,15 +1,16 @@
-//! One Dynamo KV event message off NATS, decoded: the event plane's envelope around one
-//! `RouterEvent`, or a bare `RouterEvent` in JSON as older Dynamo releases published it.
+//! One Dynamo KV event message off NATS, decoded: the event plane's envelope around an array
+//! of `RouterEvent`s (or one), or a bare `RouterEvent` in JSON as older Dynamo releases
+//! published it; and the data frames of a worker's answer to a KV query.
 //!
 //! # Layout
 //!
-//! What a Dynamo worker publishes (read in `ai-dynamo/dynamo`, see [`super`] for the files and
-//! commits), one event per NATS message:
+//! What a Dynamo worker publishes (checked against ai-dynamo 1.6.1, `testdata/dynamo/`; see
+//! [`super`]):
 //!
-//! - **event plane, msgpack** (Dynamo with `DYN_EVENT_PLANE=nats`): a msgpack *map*, the
-//!   `EventEnvelope` written with field names (`rmp_serde::to_vec_named`):
-//!   `{"publisher_id": u64, "sequence": u64, "published_at": u64 (ms), "topic": str,
-//!   "payload": bin}`, and `payload` is the `RouterEvent`, msgpack with field names too;
+//! - **event plane, msgpack** (`DYN_EVENT_PLANE=nats`): a msgpack *map*, the `EventEnvelope`
+//!   written with field names (`rmp_serde::to_vec_named`): `{"publisher_id": u64, "sequence":
+//!   u64, "published_at": u64 (ms), "topic": str, "payload": bin}`; in 1.6.1 `payload` is a
+//!   msgpack array of `RouterEvent`s, with field names too; earlier, one `RouterEvent`;
 //! - **JSON** (Dynamo before the event plane, `component.publish`): the `RouterEvent` itself as
 //!   a JSON object; also the first event plane's JSON `NatsEnvelope`
 //!   `{"publisher_id", "sequence", "published_at", "payload": [bytes as numbers]}` around a
@@ -29,6 +30,12 @@
 //! `block_hash` is the engine's own hash (kvroute's [`EngineHash`]), `tokens_hash` the hash of
 //! the block's tokens under the contract kvroute shares with Dynamo (its `BlockHash`).
 //! Unknown keys are skipped; structs written positionally (msgpack arrays) are not read.
+//!
+//! A KV query's answer frame is `{"data": WorkerKvQueryResponse, "complete_final": bool}`,
+//! the response externally tagged: `{"Events": {"events": [RouterEvent], "last_event_id"}}`,
+//! `{"TreeDump": {"events", "last_event_id", "reset_scope"}}` (the events' ids are positions
+//! in the dump), `{"TooNew": {..}}`, `{"InvalidRange": {..}}`, `{"Error": str}` or
+//! `TreeDumpFailed` ([`decode_query_frame`]).
 //!
 //! The caller bounds the message's size before calling [`decode`]; inside it, every msgpack
 //! length is checked against the bytes that remain before anything is reserved
