@@ -15,6 +15,8 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let config = Cli::parse().into_config()?;
+    let thresholds = kvroute_collector::server::fix_malloc_thresholds();
+    tracing::debug!(fixed = thresholds, "malloc mmap and trim thresholds");
     // Before anything opens descriptors; the connection cap is derived from the result.
     match kvroute_collector::server::raise_fd_limit() {
         Ok(fd) => {
