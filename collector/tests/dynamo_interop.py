@@ -11,7 +11,13 @@ through Dynamo's own client, and checks through the collectors' /query that:
 2. a collector started after those events were published asks the worker's KV query endpoint
    for its whole cache on the first event it hears and then matches the earlier prompts too;
 3. the same late start with --dynamo-recovery off does not (the prompts published before it
-   started match nothing there).
+   started match nothing there);
+4. a collector that was running and lost some of the worker's messages (stopped with SIGSTOP
+   until nats-server, which pings every second here, closed its connection as stale: NATS Core
+   keeps nothing for it) sees the jump in event ids when it is back, asks the worker's KV query
+   for the missing range and applies it: the prompts published while it was away match, and
+   the earlier ones still do; its twin with --dynamo-recovery off, running from the start and
+   through the same outage, clears the worker instead and matches none of them.
 
 Nothing is skipped: a failed install or a missing binary fails the test, with the reason.
 """
@@ -190,6 +196,14 @@ def until(what, check, deadline=DEADLINE):
         time.sleep(0.2)
 
 
+def connections(mport, state, subs=False):
+    """nats-server's collector connections in `state` (open or closed), by its monitoring port."""
+    url = f"http://127.0.0.1:{mport}/connz?state={state}&limit=1024" + ("&subs=1" if subs else "")
+    with urllib.request.urlopen(url, timeout=5) as r:
+        conns = json.loads(r.read())["connections"] or []
+    return [c for c in conns if c.get("name") == "kvroute-collector"]
+
+
 def wait_health(port, name):
     def ok():
         try:
@@ -224,13 +238,21 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="kvroute-dynamo-"))
     nats_port = free_port()
     nats_url = f"nats://127.0.0.1:{nats_port}"
-    start("nats-server", [nats_bin.stdout.strip(), "-a", "127.0.0.1", "-p", str(nats_port),
+    nats_mport = free_port()
+    # A client that answers no PING for three seconds is closed as stale (step 4's outage; the
+    # default waits minutes). Running clients answer within milliseconds.
+    (work / "nats.conf").write_text('ping_interval: "1s"\nping_max: 2\n')
+    start("nats-server", [nats_bin.stdout.strip(), "-c", str(work / "nats.conf"), "-a",
+                          "127.0.0.1", "-p", str(nats_port), "-m", str(nats_mport),
                           "-js", "-sd", str(work / "js")], dict(os.environ), work)
     env = dict(os.environ, NATS_SERVER=nats_url, DYN_DISCOVERY_BACKEND="file",
                DYN_FILE_KV=str(work / "discovery"), DYN_EVENT_PLANE="nats",
                DYN_REQUEST_PLANE="nats", DYN_TCP_RPC_HOST="127.0.0.1", HF_HUB_OFFLINE="1",
                DYN_LOG="info")
     a = collector("collector-a", nats_url, work)
+    pid_a = procs[-1][0].pid
+    d = collector("collector-d", nats_url, work, "--dynamo-recovery", "off")
+    pid_d = procs[-1][0].pid
     start("mocker", [str(venv_python()), "-m", "dynamo.mocker", "--num-gpu-blocks-override", "64",
                      "--block-size", str(BLOCK), "--kv-bytes-per-token", "64"], env, work)
     until("the mocker's KV query endpoint", lambda: "worker_kv_query_source" in (work / "mocker.log").read_text() or "not yet", 60)
@@ -266,8 +288,69 @@ def main():
             fail(f"collector C (late, recovery off) matches request {k} for {got} tokens: "
                  "it cannot know blocks stored before it started")
     log("collector C (late start, --dynamo-recovery off): requests 0-3 match nothing, as expected")
-    if matched(a, 3) != {worker: 64}:
-        fail(f"collector A, request 3: {matched(a, 3)}")
+    for k in (0, 1, 2, 3):
+        if matched(a, k) != {worker: 64} or matched(d, k) != {worker: 64}:
+            fail(f"request {k}: collector A {matched(a, k)}, collector D {matched(d, k)}")
+
+    # 4. A gap: A (recovery nats) and D (off), both running from the start, stop reading until
+    # the server drops them as stale; requests 4 and 5 are published meanwhile, lost to both;
+    # request 6 after they reconnect.
+    if count(a, "dynamo", "gap") or count(d, "dynamo", "gap"):
+        fail("a gap before the outage")
+    for name in ("collector-a", "collector-d"):
+        log_text = (work / f"{name}.log").read_text()
+        if log_text.count("nats: connected") != 1:
+            fail(f"{name} (re)connected {log_text.count('nats: connected')} times before the outage")
+    before = {x["cid"] for x in connections(nats_mport, "open")}
+    stale0 = sum(x.get("reason") == "Stale Connection" for x in connections(nats_mport, "closed"))
+    for pid in (pid_a, pid_d):
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        until("nats-server closes collectors A and D as stale",
+              lambda: sum(x.get("reason") == "Stale Connection"
+                          for x in connections(nats_mport, "closed")) - stale0 >= 2
+              or connections(nats_mport, "closed"), 20)
+        send(env, 4, 5)
+        until("collector B (running) matches request 5", lambda: matched(b, 5) == {worker: 64} or matched(b, 5))
+    finally:
+        for pid in (pid_a, pid_d):
+            os.kill(pid, signal.SIGCONT)
+    # Back on the server and subscribed again (two new connections with the kv-events
+    # subscription) before request 6 is published, or it would be lost too.
+    until("collectors A and D resubscribed",
+          lambda: sum(x["cid"] not in before and
+                      any(sub.endswith(".kv-events") for sub in x.get("subscriptions_list") or [])
+                      for x in connections(nats_mport, "open", subs=True)) >= 2
+          or connections(nats_mport, "open", subs=True), 30)
+    send(env, 6)
+    until("collector A hears the jump", lambda: count(a, "dynamo", "gap") >= 1 or "no gap")
+    until("collector A's KV query for the range",
+          lambda: count(a, "dynamo_recovery", "recovered") == 1 or count(a, "dynamo_recovery", "recovered"))
+    for outcome in ("unreachable", "timeout", "refused", "bad_answer", "overflow", "busy", "dumped"):
+        if count(a, "dynamo_recovery", outcome):
+            fail(f"collector A's KV queries counted {outcome}: {count(a, 'dynamo_recovery', outcome)}")
+    until("collector A matches request 6", lambda: matched(a, 6) == {worker: 64} or matched(a, 6))
+    for k in range(6):
+        # 4 and 5 only from the worker's answer: A was off the server while they were published.
+        if matched(a, k) != {worker: 64}:
+            fail(f"collector A after the gap, request {k}: {matched(a, k)}")
+    log(f"collector A (running, lost requests 4-5, --dynamo-recovery nats): "
+        f"{count(a, 'dynamo', 'gap')} gap, the range recovered from the worker, requests 0-6 matched")
+    until("collector D hears the jump", lambda: count(d, "dynamo", "gap") >= 1 or "no gap")
+    gaps = re.search(rf'kvroute_sequence_gaps_total{{instance="{worker}",dp="0"}} (\d+)',
+                     http(d, "/metrics"))
+    if not gaps or int(gaps.group(1)) < 1:
+        fail("collector D (recovery off) counted no sequence gap for the worker")
+    for k in range(6):
+        # 0-3 were matched before the outage: the gap cleared them; 4 and 5 it never heard.
+        got = matched(d, k).get(worker, 0)
+        if got != 0:
+            fail(f"collector D (recovery off) matches request {k} for {got} tokens after the gap")
+    for outcome in ("recovered", "dumped"):
+        if count(d, "dynamo_recovery", outcome):
+            fail(f"collector D (recovery off) counted {outcome}")
+    log("collector D (same outage, --dynamo-recovery off): the gap cleared the worker, "
+        "requests 0-5 match nothing")
     stop_all()
     shutil.rmtree(work, ignore_errors=True)
     log(f"PASS in {time.time() - t0:.0f} s")
