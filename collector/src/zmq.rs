@@ -111,6 +111,8 @@ pub enum ReplayError {
     TooMany,
     #[error("replay stopped: subscriber shut down")]
     Stopped,
+    #[error("replay abandoned by its reader")]
+    Abandoned,
     #[error("replay thread failed: {0}")]
     Join(String),
 }
@@ -132,25 +134,52 @@ impl SocketLimits {
     }
 }
 
+/// A replay under way: its batches as they arrive, then how it ended.
+pub struct Replay {
+    batches: mpsc::Receiver<RawBatch>,
+    end: tokio::task::JoinHandle<Result<usize, ReplayError>>,
+}
+
+impl Replay {
+    /// The next batch, in the engine's order; `None` once the replay has ended.
+    pub async fn next(&mut self) -> Option<RawBatch> {
+        self.batches.recv().await
+    }
+
+    /// How the replay ended (the batches it brought, or why not all of them). Dropping the
+    /// `Replay` before it ended stops the thread at its next batch.
+    ///
+    /// # Errors
+    /// Connection or protocol failure, no end marker within the timeout, or `stop` set.
+    pub async fn end(self) -> Result<usize, ReplayError> {
+        drop(self.batches);
+        self.end
+            .await
+            .map_err(|e| ReplayError::Join(e.to_string()))?
+    }
+}
+
 /// Asks the engine's replay socket for every buffered batch with `seq >= start`, on a blocking
 /// thread; `stop` ends it early. `ctx` is the worker's own libzmq context (see [`Subscriber`]).
 ///
-/// # Errors
-/// Connection or protocol failure, no end marker within `timeout`, or `stop` set.
-pub async fn replay(
+/// Batches are handed over as they arrive, a few at a time ([`CHANNEL_BATCHES`]), not
+/// gathered first: a whole buffer of batches per engine, all engines at once when a collector
+/// starts, was a transient of hundreds of MB whose pages the allocator kept. `timeout` bounds
+/// the engine's part: the time the reader takes to apply a batch does not count against it.
+pub fn replay(
     ctx: zmq::Context,
     endpoint: &str,
     start: u64,
     timeout: Duration,
     limits: SocketLimits,
     stop: Arc<AtomicBool>,
-) -> Result<Vec<RawBatch>, ReplayError> {
+) -> Replay {
     let endpoint = endpoint.to_owned();
-    tokio::task::spawn_blocking(move || {
-        replay_blocking(&ctx, &endpoint, start, timeout, limits, &stop)
-    })
-    .await
-    .map_err(|e| ReplayError::Join(e.to_string()))?
+    let (tx, batches) = mpsc::channel(CHANNEL_BATCHES);
+    let end = tokio::task::spawn_blocking(move || {
+        replay_blocking(&ctx, &endpoint, start, timeout, limits, &stop, &tx)
+    });
+    Replay { batches, end }
 }
 
 fn replay_blocking(
@@ -160,14 +189,15 @@ fn replay_blocking(
     timeout: Duration,
     limits: SocketLimits,
     stop: &AtomicBool,
-) -> Result<Vec<RawBatch>, ReplayError> {
-    let until = std::time::Instant::now() + timeout;
+    out: &mpsc::Sender<RawBatch>,
+) -> Result<usize, ReplayError> {
+    let mut until = std::time::Instant::now() + timeout;
     let dealer = ctx.socket(zmq::DEALER)?;
     limits.apply(&dealer)?;
     dealer.connect(endpoint)?;
     // The pipe exists from connect() on (no ZMQ_IMMEDIATE), so this queues rather than blocks.
     dealer.send_multipart([&[][..], &start.to_be_bytes()[..]], zmq::DONTWAIT)?;
-    let mut out = Vec::new();
+    let mut sent = 0usize;
     loop {
         if stop.load(Ordering::Relaxed) {
             return Err(ReplayError::Stopped);
@@ -199,13 +229,18 @@ fn replay_blocking(
         };
         let seq = u64::from_be_bytes(seq);
         if seq == u64::MAX && payload.is_empty() {
-            return Ok(out);
+            return Ok(sent);
         }
-        if out.len() >= MAX_REPLAY_BATCHES {
+        if sent >= MAX_REPLAY_BATCHES {
             return Err(ReplayError::TooMany);
         }
         let payload = Bytes::from(frames.swap_remove(frames.len() - 1));
-        out.push(RawBatch { seq, payload });
+        let waiting = std::time::Instant::now();
+        out.blocking_send(RawBatch { seq, payload })
+            .map_err(|_| ReplayError::Abandoned)?;
+        // The reader's time applying batches is not the engine's.
+        until += waiting.elapsed();
+        sent += 1;
     }
 }
 
@@ -676,7 +711,13 @@ impl Subscriber {
             .restarts
             .get_or_create(&self.labels)
             .inc();
-        self.status(|s| s.restarts += 1);
+        // The number and hash go with the blocks: a state file written before the replay has
+        // applied anything must not pair the emptied index with the old engine's last batch.
+        self.status(|s| {
+            s.restarts += 1;
+            s.last_seq = None;
+            s.last_hash = None;
+        });
         self.shared.write().clear_blocks(self.source);
         self.publish(crate::bus::wire::Kind::Reset, seq, &[]);
         self.seq = Seq {
@@ -692,54 +733,47 @@ impl Subscriber {
         };
         let mut restarted = None;
         let timeout = self.shared.config.replay_timeout;
-        let outcome = match replay(
+        let mut replay = replay(
             self.ctx.get(),
             &endpoint,
             start,
             timeout,
             self.limits,
             self.stop.clone(),
-        )
-        .await
-        {
-            Ok(batches) => {
-                let n = batches.len();
-                for raw in batches {
-                    match self.seq.last {
-                        Some(l)
-                            if raw.seq == l
-                                && self.seq.knows(l)
-                                && !self.seq.seen(l, &raw.payload) =>
-                        {
-                            restarted = Some(l);
-                            break;
-                        }
-                        Some(l) if raw.seq <= l => continue,
-                        Some(l) if raw.seq > l + 1 => {
-                            // Older than the engine's buffer: lost for good.
-                            self.shared.metrics.gaps.get_or_create(&self.labels).inc();
-                            self.status(|s| s.gaps += 1);
-                        }
-                        None if raw.seq > start => {
-                            self.shared.metrics.gaps.get_or_create(&self.labels).inc();
-                            self.status(|s| s.gaps += 1);
-                        }
-                        _ => {}
-                    }
-                    self.apply(raw).await;
+        );
+        // Applied as they come: a replay that fails midway leaves the index at the last batch
+        // it brought, in order, and the next live batch asks for the rest.
+        while let Some(raw) = replay.next().await {
+            match self.seq.last {
+                Some(l) if raw.seq == l && self.seq.knows(l) && !self.seq.seen(l, &raw.payload) => {
+                    restarted = Some(l);
+                    break;
                 }
-                debug!(endpoint = %endpoint, start, batches = n, "replayed");
-                if restarted.is_some() {
-                    "restarted"
-                } else {
-                    "ok"
+                Some(l) if raw.seq <= l => continue,
+                Some(l) if raw.seq > l + 1 => {
+                    // Older than the engine's buffer: lost for good.
+                    self.shared.metrics.gaps.get_or_create(&self.labels).inc();
+                    self.status(|s| s.gaps += 1);
                 }
+                None if raw.seq > start => {
+                    self.shared.metrics.gaps.get_or_create(&self.labels).inc();
+                    self.status(|s| s.gaps += 1);
+                }
+                _ => {}
             }
-            Err(ReplayError::Timeout) => {
+            self.apply(raw).await;
+        }
+        let outcome = match (restarted, replay.end().await) {
+            (Some(_), _) => "restarted",
+            (None, Ok(n)) => {
+                debug!(endpoint = %endpoint, start, batches = n, "replayed");
+                "ok"
+            }
+            (None, Err(ReplayError::Timeout)) => {
                 warn!(endpoint = %endpoint, start, "replay timed out");
                 "timeout"
             }
-            Err(e) => {
+            (None, Err(e)) => {
                 warn!(endpoint = %endpoint, start, error = %e, "replay failed");
                 "error"
             }

@@ -405,6 +405,93 @@ async fn an_engine_restarted_while_the_collector_was_down_is_not_laid_over_its_o
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_that_stalls_midway_keeps_the_batches_it_brought() {
+    use bytes::Bytes;
+    use kvroute_sim::wire::{encode_events, replay_reply, Extras};
+    let ctx = zmq::Context::new();
+    // An engine whose PUB says nothing and whose replay socket sends two batches, then stalls
+    // without the end marker.
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    publisher.bind("tcp://127.0.0.1:*").unwrap();
+    let router = ctx.socket(zmq::ROUTER).unwrap();
+    router.bind("tcp://127.0.0.1:*").unwrap();
+    let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
+    let replay = router.get_last_endpoint().unwrap().unwrap();
+    let t = tokens(1, 8);
+    let batches: Vec<Bytes> = [
+        stored(None, 10, &t[..4], 4),
+        stored(Some(10), 11, &t[4..8], 4),
+    ]
+    .iter()
+    .map(|e| {
+        let f = EventFormat::Vllm033;
+        Bytes::from(encode_events(
+            f,
+            Extras::engine(f),
+            0.0,
+            std::slice::from_ref(e),
+            None,
+        ))
+    })
+    .collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let engine = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let _keep = publisher;
+            let topic = Bytes::from_static(b"kv-events");
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if router.poll(zmq::POLLIN, 50).unwrap() == 0 {
+                    continue;
+                }
+                let ask = router.recv_multipart(0).unwrap();
+                for (seq, payload) in batches.iter().enumerate() {
+                    let mut frames = vec![ask[0].clone(), Vec::new()];
+                    frames.extend(
+                        replay_reply(ReplayShape::New, &topic, seq as u64, payload)
+                            .iter()
+                            .map(|b| b.to_vec()),
+                    );
+                    router.send_multipart(frames, 0).unwrap();
+                }
+            }
+        })
+    };
+    let state = Shared::new(Config {
+        replay_timeout: Duration::from_millis(300),
+        ..config()
+    });
+    state
+        .register(kvroute::api::RegisterRequest {
+            instance_id: "a".into(),
+            endpoint,
+            replay_endpoint: Some(replay),
+            model_name: M.into(),
+            tenant_id: None,
+            block_size: 4,
+            dp_rank: None,
+            lora_name: None,
+            cache_salt: None,
+            address: None,
+        })
+        .unwrap();
+    // Applied as they came, though the replay then timed out.
+    eventually(&state, None, |h| longest(h, &t, M, None, "a") == 8).await;
+    eventually(&state, None, |_| {
+        state
+            .metrics
+            .encode()
+            .contains("kvroute_replays_total{instance=\"a\",dp=\"0\",outcome=\"timeout\"} 1")
+    })
+    .await;
+    let w = state.read().worker_views().into_iter().next().unwrap();
+    assert_eq!(w.status.last_seq, Some(1));
+    state.stop_subscribers();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    engine.join().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_state_snapshot_is_ignored() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("state.json"), b"\x00garbage").unwrap();
