@@ -2,6 +2,10 @@
 //! publisher through libzmq (the `zmq` crate, the library vLLM's pyzmq uses) and feeds the hub
 //! in sequence order.
 //!
+//! One concern: one engine's event stream, from its sockets to the hub. The SUB, the replay
+//! and the sequence rules that choose between them act on one worker's state; split apart,
+//! each part would import the others.
+//!
 //! libzmq enforces what a hostile or broken peer must not get past: `ZMQ_MAXMSGSIZE`
 //! (`--max-zmq-message-bytes`) is checked on the frame header before anything is allocated, and
 //! `ZMQ_RCVHWM` bounds the queue. A peer over the limit is disconnected by libzmq, counted
@@ -163,9 +167,10 @@ impl Replay {
 /// thread; `stop` ends it early. `ctx` is the worker's own libzmq context (see [`Subscriber`]).
 ///
 /// Batches are handed over as they arrive, a few at a time ([`CHANNEL_BATCHES`]), not
-/// gathered first: a whole buffer of batches per engine, all engines at once when a collector
-/// starts, was a transient of hundreds of MB whose pages the allocator kept. `timeout` bounds
-/// the engine's part: the time the reader takes to apply a batch does not count against it.
+/// gathered first: what a replay holds is bounded by the channel, not by the engine's buffer
+/// (vLLM keeps 10,000 steps), times every engine replaying at once when a collector starts.
+/// `timeout` bounds the engine's part: the time the reader takes to apply a batch does not
+/// count against it.
 pub fn replay(
     ctx: zmq::Context,
     endpoint: &str,
