@@ -17,6 +17,17 @@ async fn main() -> anyhow::Result<()> {
     let config = Cli::parse().into_config()?;
     let thresholds = kvroute_collector::server::fix_malloc_thresholds();
     tracing::debug!(fixed = thresholds, "malloc mmap and trim thresholds");
+    // The collector's transients (replays, catch-ups, snapshots) come in bursts; what they
+    // leave free is returned every half minute, off the async workers (it takes the
+    // allocator's locks for a few milliseconds).
+    tokio::spawn(async {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(30));
+        loop {
+            tick.tick().await;
+            let _ =
+                tokio::task::spawn_blocking(kvroute_collector::server::release_free_memory).await;
+        }
+    });
     // Before anything opens descriptors; the connection cap is derived from the result.
     match kvroute_collector::server::raise_fd_limit() {
         Ok(fd) => {

@@ -131,6 +131,21 @@ pub fn fix_malloc_thresholds() -> bool {
     false
 }
 
+/// Hands the allocator's free pages back to the system (`malloc_trim`), in every arena. With
+/// the thresholds fixed, small blocks freed among live ones still stay with the process: a
+/// collector that replayed 16 engines' full buffers at start held 174 MB for an index a
+/// collector built live holds in 56 MB, and `malloc_trim` took it to 56 MB
+/// (`bench/scripts/rss_restart.py --restart replay`). Returns whether memory was released.
+pub fn release_free_memory() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: malloc_trim only returns free memory, under glibc's own locks.
+        unsafe { libc::malloc_trim(0) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    false
+}
+
 /// Raises the soft `RLIMIT_NOFILE` to the hard limit: the default soft limit (often 1,024)
 /// caps connections far below what the system allows, and raising it needs no privilege.
 ///
