@@ -8,7 +8,9 @@
 //! workers register on their first event and the least recently heard is evicted past the cap.
 //! Then ai-dynamo 1.6.1's own messages, byte for byte from `testdata/dynamo/`, on its subject;
 //! and the KV query on a gap or a late start, answered by a stand-in for the worker's query
-//! endpoint that replays the captured answers (the real worker: `dynamo_interop.py`).
+//! endpoint that replays the captured answers, on the NATS request plane and on the TCP one
+//! (found through a file discovery record as ai-dynamo 1.6.1 writes it) (the real worker:
+//! `dynamo_interop.py`).
 
 #[allow(dead_code)]
 mod common;
@@ -55,6 +57,8 @@ impl Reader {
                 listen: None,
                 timeout: Duration::from_secs(2),
                 max_bytes: 1 << 20,
+                discovery_dir: None,
+                nats_fallback: true,
             }),
         };
         let bus = BusConfig {
@@ -655,6 +659,8 @@ fn recovery(timeout_ms: u64, max_bytes: usize) -> Option<RecoveryConfig> {
         listen: None,
         timeout: Duration::from_millis(timeout_ms),
         max_bytes,
+        discovery_dir: None,
+        nats_fallback: true,
     })
 }
 
@@ -908,4 +914,238 @@ async fn failed_queries_fall_back_to_clearing_the_worker() {
     c.until(&cap_prompt(0), CAP_WORKER, 0).await;
     assert_eq!(c.bus_count("dynamo_recovery", "unreachable"), 1);
     c.stop().await;
+}
+
+/// The captured worker's KV query endpoint as Dynamo names it.
+fn cap_endpoint() -> kvroute_collector::bus::dynamo::naming::QueryEndpoint {
+    kvroute_collector::bus::dynamo::naming::query_endpoint(
+        CAP_SUBJECT,
+        0x3fecf4985069a,
+        CAP_WORKER.parse().unwrap(),
+    )
+    .unwrap()
+}
+
+/// A file discovery root (`DYN_FILE_KV`) holding `record` as the captured worker's KV query
+/// endpoint, or nothing.
+fn discovery_root(record: Option<&str>) -> std::path::PathBuf {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let root = std::env::temp_dir().join(format!(
+        "kvroute-dynamo-discovery-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let dir = root.join("v1/instances");
+    std::fs::create_dir_all(&dir).unwrap();
+    if let Some(r) = record {
+        std::fs::write(dir.join(cap_endpoint().discovery_file()), r).unwrap();
+    }
+    root
+}
+
+/// The record ai-dynamo 1.6.1 writes for the captured worker's endpoint, at `addr`.
+fn tcp_record(addr: std::net::SocketAddr) -> String {
+    let e = cap_endpoint();
+    serde_json::json!({"type": "Endpoint", "component": e.component, "endpoint": e.endpoint,
+        "namespace": e.namespace, "instance_id": e.worker_id,
+        "transport": {"tcp": format!("{addr}/{TCP_PATH}")},
+        "device_type": "cuda", "request_plane_codec": "msgpack"})
+    .to_string()
+}
+
+/// The endpoint path the fake TCP worker serves (1.6.1: `<instance hex>/<ns>/<c>/<endpoint>`).
+const TCP_PATH: &str = "61902077d73faefc/dynamo/backend/worker_kv_query_source_3fecf4985069a";
+
+/// The captured worker's KV query endpoint on the TCP request plane: reads each request
+/// message as ai-dynamo 1.6.1's worker does, acknowledges it (empty, or the worker's error
+/// for a path it does not serve), then streams the captured answer `answer` to the listener
+/// the request names. Returns its address and each query's (path, body).
+async fn fake_tcp_worker(
+    answer: &'static str,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::mpsc::UnboundedReceiver<(String, serde_json::Value)>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let mut n2 = [0u8; 2];
+            s.read_exact(&mut n2).await.unwrap();
+            let mut path = vec![0; usize::from(u16::from_be_bytes(n2))];
+            s.read_exact(&mut path).await.unwrap();
+            s.read_exact(&mut n2).await.unwrap();
+            let mut headers = vec![0; usize::from(u16::from_be_bytes(n2))];
+            s.read_exact(&mut headers).await.unwrap();
+            let headers: BTreeMap<String, String> = serde_json::from_slice(&headers).unwrap();
+            let mut n4 = [0u8; 4];
+            s.read_exact(&mut n4).await.unwrap();
+            let mut b = vec![0; u32::from_be_bytes(n4) as usize];
+            s.read_exact(&mut b).await.unwrap();
+            let path = String::from_utf8(path).unwrap();
+            assert_eq!(headers["x-endpoint-path"], path);
+            let hl = u64::from_be_bytes(b[..8].try_into().unwrap()) as usize;
+            let header: serde_json::Value = serde_json::from_slice(&b[24..24 + hl]).unwrap();
+            assert_eq!(headers["request-id"], header["id"]);
+            let info: serde_json::Value =
+                serde_json::from_str(header["connection_info"]["info"].as_str().unwrap()).unwrap();
+            let _ = tx.send((path.clone(), msgpack_json(&b[24 + hl..])));
+            if path != TCP_PATH {
+                let text = format!("Server unavailable: unknown endpoint {path}");
+                let mut ack = (text.len() as u32).to_be_bytes().to_vec();
+                ack.extend_from_slice(text.as_bytes());
+                s.write_all(&ack).await.unwrap();
+                continue;
+            }
+            s.write_all(&[0, 0, 0, 0]).await.unwrap();
+            drop(s);
+            let mut r = tokio::net::TcpStream::connect(info["address"].as_str().unwrap())
+                .await
+                .unwrap();
+            let hs = serde_json::json!({"subject": info["subject"], "stream_type": "response"});
+            r.write_all(&two_part(hs.to_string().as_bytes(), b""))
+                .await
+                .unwrap();
+            // The answer streams back as on the NATS plane: the captured one after its
+            // own handshake frame.
+            let stream = unhex(&sections("worker_kv_query_1.6.1.txt")[answer]["stream"]);
+            let hl = u64::from_be_bytes(stream[..8].try_into().unwrap()) as usize;
+            r.write_all(&stream[24 + hl..]).await.unwrap();
+            let _ = r.flush().await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    (addr, rx)
+}
+
+/// `--dynamo-recovery tcp` (or `nats`, `nats_fallback`) with `root` as the discovery root.
+fn tcp_recovery(root: &std::path::Path, nats_fallback: bool) -> Option<RecoveryConfig> {
+    Some(RecoveryConfig {
+        listen: None,
+        // Generous: debug builds of parallel tests on a small machine.
+        timeout: Duration::from_secs(5),
+        max_bytes: 1 << 20,
+        discovery_dir: Some(root.to_owned()),
+        nats_fallback,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_filled_over_the_tcp_request_plane_found_in_file_discovery() {
+    let nats = Nats::start().await;
+    let (addr, mut queries) = fake_tcp_worker("2_3").await;
+    let root = discovery_root(Some(&tcp_record(addr)));
+    let c = cap_reader(&nats, tcp_recovery(&root, false)).await;
+    let mut p = Worker::connect(&nats).await;
+    publish_until(&c, &mut p, &captured(0), &cap_prompt(0), 64).await;
+    // Event 3 without event 2: asked over TCP at the address the record names.
+    p.raw(CAP_SUBJECT, captured(2)).await;
+    c.until(&cap_prompt(1), CAP_WORKER, 64).await;
+    c.until(&cap_prompt(2), CAP_WORKER, 64).await;
+    let (path, q) = queries.recv().await.expect("a query over TCP");
+    assert_eq!(path, TCP_PATH);
+    assert_eq!(
+        q,
+        serde_json::json!({"worker_id": 7030154717409816316u64, "dp_rank": 0,
+            "start_event_id": 2, "end_event_id": 2, "supports_tree_dump_failed": true,
+            "kind": "recovery"})
+    );
+    assert_eq!(c.bus_count("dynamo_recovery", "recovered"), 1);
+    assert_eq!(c.bus_count("dynamo_discovery", "tcp"), 1);
+    assert_eq!(c.query(&cap_prompt(0)).await.get(CAP_WORKER), Some(&64));
+    let gaps = c
+        .state
+        .read()
+        .workers()
+        .find(|w| w.reg.instance_id == CAP_WORKER)
+        .map(|w| w.status.gaps);
+    assert_eq!(gaps, Some(0), "nothing cleared");
+    c.stop().await;
+    let _ = std::fs::remove_dir_all(root);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_collector_takes_the_tree_dump_over_tcp() {
+    let nats = Nats::start().await;
+    let (addr, mut queries) = fake_tcp_worker("dump").await;
+    let root = discovery_root(Some(&tcp_record(addr)));
+    // `nats` with a discovery root: the record says TCP, so TCP it is.
+    let c = cap_reader(&nats, tcp_recovery(&root, true)).await;
+    let mut p = Worker::connect(&nats).await;
+    publish_until(&c, &mut p, &captured(2), &cap_prompt(0), 64).await;
+    c.until(&cap_prompt(1), CAP_WORKER, 64).await;
+    let (_, q) = queries.recv().await.expect("a query over TCP");
+    assert_eq!(q["start_event_id"], serde_json::Value::Null);
+    assert_eq!(c.bus_count("dynamo_recovery", "dumped"), 1);
+    assert_eq!(c.bus_count("dynamo_discovery", "tcp"), 1);
+    c.stop().await;
+    let _ = std::fs::remove_dir_all(root);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_queries_that_cannot_be_made_fall_back_to_clearing_the_worker() {
+    let (addr, mut queries) = fake_tcp_worker("2_3").await;
+    // Nothing listens there once this listener is gone.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let wrong_path = tcp_record(addr).replace(TCP_PATH, "elsewhere");
+    for (record, discovery, outcome) in [
+        (None, "missing", "unreachable"),
+        (
+            Some("{\"type\": \"Endpoint\"".to_owned()),
+            "malformed",
+            "unreachable",
+        ),
+        (Some(tcp_record(dead)), "tcp", "unreachable"),
+        (Some(wrong_path), "tcp", "unreachable"),
+        // Over the budget: the worker's error text is bigger than what is left.
+        (
+            Some(tcp_record(addr).replace(TCP_PATH, &"x".repeat(400))),
+            "tcp",
+            "bad_answer",
+        ),
+    ] {
+        let nats = Nats::start().await;
+        let root = discovery_root(record.as_deref());
+        let mut rc = tcp_recovery(&root, false);
+        if outcome == "bad_answer" {
+            rc.as_mut().unwrap().max_bytes = 256;
+        }
+        let c = cap_reader(&nats, rc).await;
+        let mut p = Worker::connect(&nats).await;
+        publish_until(&c, &mut p, &captured(0), &cap_prompt(0), 64).await;
+        p.raw(CAP_SUBJECT, captured(17)).await;
+        c.until(&cap_prompt(0), CAP_WORKER, 0).await;
+        assert_eq!(c.bus_count("dynamo_discovery", discovery), 1, "{discovery}");
+        assert_eq!(
+            c.bus_count("dynamo_recovery", outcome),
+            1,
+            "{discovery} {outcome}"
+        );
+        assert_eq!(c.count("gap"), 1);
+        c.stop().await;
+        let _ = std::fs::remove_dir_all(root);
+    }
+    // The wrong path and the oversized one reached the worker, which refused them.
+    assert_eq!(queries.recv().await.map(|q| q.0), Some("elsewhere".into()));
+    assert_eq!(queries.recv().await.map(|q| q.0.len()), Some(400));
+    // `nats`: a worker discovery does not know is asked over NATS as before.
+    let nats = Nats::start().await;
+    let mut nats_queries = fake_query_endpoint(&nats, Answering::Captured("2_3")).await;
+    let root = discovery_root(None);
+    let c = cap_reader(&nats, tcp_recovery(&root, true)).await;
+    let mut p = Worker::connect(&nats).await;
+    publish_until(&c, &mut p, &captured(0), &cap_prompt(0), 64).await;
+    p.raw(CAP_SUBJECT, captured(2)).await;
+    c.until(&cap_prompt(2), CAP_WORKER, 64).await;
+    assert!(nats_queries.recv().await.is_some());
+    assert_eq!(c.bus_count("dynamo_discovery", "missing"), 1);
+    assert_eq!(c.bus_count("dynamo_recovery", "recovered"), 1);
+    c.stop().await;
+    let _ = std::fs::remove_dir_all(root);
 }

@@ -19,6 +19,16 @@ through Dynamo's own client, and checks through the collectors' /query that:
    the earlier ones still do; its twin with --dynamo-recovery off, running from the start and
    through the same outage, clears the worker instead and matches none of them.
 
+Then the same worker on Dynamo's default TCP request plane (DYN_REQUEST_PLANE=tcp, a second
+mocker with its own file discovery root; the first one and its collectors stopped), with
+collectors given --dynamo-recovery tcp --dynamo-discovery-dir (the mocker's DYN_FILE_KV):
+
+5. a collector started late finds the worker's KV query endpoint in the discovery record,
+   asks it over TCP for the whole cache and matches the earlier prompts; its twin with the
+   NATS request plane only (--dynamo-recovery nats, no discovery) gets no answer
+   (`unreachable`) and matches none of them;
+6. a running collector that lost messages the same way as in 4 fills the range over TCP.
+
 Nothing is skipped: a failed install or a missing binary fails the test, with the reason.
 """
 import json
@@ -130,10 +140,11 @@ def install():
 
 
 CLIENT = r'''
-import asyncio, sys
+import asyncio, os, sys
 from dynamo._core import DistributedRuntime
 async def main():
-    rt = DistributedRuntime(asyncio.get_running_loop(), "file", "nats", event_plane="nats")
+    rt = DistributedRuntime(asyncio.get_running_loop(), "file", os.environ["DYN_REQUEST_PLANE"],
+                            event_plane="nats")
     client = await rt.endpoint("dynamo.backend.generate").client()
     await asyncio.wait_for(client.wait_for_instances(), 30)
     for k in map(int, sys.argv[1:]):
@@ -224,6 +235,113 @@ def collector(name, nats_url, logdir, *extra):
     # events this test counts on are published.
     until(f"{name} subscribed", lambda: "dynamo: reading KV events" in (logdir / f"{name}.log").read_text() or "no", 30)
     return port
+
+
+def stop(*names):
+    """Stops the processes `names` started, leaving the others running."""
+    for p, name, _ in procs:
+        if name in names and p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p, name, _ in procs:
+        if name in names:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    procs[:] = [x for x in procs if x[1] not in names]
+
+
+def outage(pids, nats_mport, while_away):
+    """Stops `pids` until nats-server closes their connections as stale (NATS Core then keeps
+    nothing for them), runs `while_away`, resumes them and waits until they are subscribed
+    again on new connections."""
+    before = {x["cid"] for x in connections(nats_mport, "open")}
+    stale0 = sum(x.get("reason") == "Stale Connection" for x in connections(nats_mport, "closed"))
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        until(f"nats-server closes {len(pids)} collectors as stale",
+              lambda: sum(x.get("reason") == "Stale Connection"
+                          for x in connections(nats_mport, "closed")) - stale0 >= len(pids)
+              or connections(nats_mport, "closed"), 20)
+        while_away()
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    until("the stopped collectors resubscribed",
+          lambda: sum(x["cid"] not in before and
+                      any(sub.endswith(".kv-events") for sub in x.get("subscriptions_list") or [])
+                      for x in connections(nats_mport, "open", subs=True)) >= len(pids)
+          or connections(nats_mport, "open", subs=True), 30)
+
+
+def tcp_plane(work, nats_url, nats_mport):
+    """Cases 5 and 6: the worker on the TCP request plane, found through file discovery."""
+    disc = work / "discovery-tcp"
+    env = dict(os.environ, NATS_SERVER=nats_url, DYN_DISCOVERY_BACKEND="file",
+               DYN_FILE_KV=str(disc), DYN_EVENT_PLANE="nats", DYN_REQUEST_PLANE="tcp",
+               DYN_TCP_RPC_HOST="127.0.0.1", HF_HUB_OFFLINE="1", DYN_LOG="info")
+    tcp = ("--dynamo-recovery", "tcp", "--dynamo-discovery-dir", str(disc))
+    e = collector("collector-e", nats_url, work, *tcp)
+    pid_e = procs[-1][0].pid
+    start("mocker-tcp", [str(venv_python()), "-m", "dynamo.mocker", "--num-gpu-blocks-override", "64",
+                         "--block-size", str(BLOCK), "--kv-bytes-per-token", "64"], env, work)
+    until("the TCP mocker's KV query endpoint in discovery",
+          lambda: any("worker%5Fkv%5Fquery" in f.name for f in (disc / "v1/instances").glob("*"))
+          if (disc / "v1/instances").is_dir() else "no discovery yet", 60)
+    record = next(f for f in (disc / "v1/instances").glob("*") if "worker%5Fkv%5Fquery" in f.name)
+    transport = json.loads(record.read_text())["transport"]
+    if "tcp" not in transport:
+        fail(f"the mocker's KV query endpoint is not on the TCP request plane: {transport}")
+    send(env, 10, 11, 12)
+    until("collector E matches request 12", lambda: len(matched(e, 12)) == 1 and 64 in matched(e, 12).values() or matched(e, 12))
+    worker = next(iter(matched(e, 12)))
+    log(f"TCP plane: worker {worker}, its KV query endpoint at {transport['tcp']}")
+
+    # 5. Late: asked over TCP (F) or over NATS only (G, which no one answers).
+    f = collector("collector-f", nats_url, work, *tcp)
+    g = collector("collector-g", nats_url, work)
+    send(env, 13)
+    until("collector F matches request 13", lambda: matched(f, 13) == {worker: 64} or matched(f, 13))
+    for k in (10, 11, 12):
+        if matched(f, k) != {worker: 64}:
+            fail(f"collector F (late, recovery tcp), request {k}: {matched(f, k)}")
+    if count(f, "dynamo_recovery", "dumped") != 1 or count(f, "dynamo_discovery", "tcp") != 1:
+        fail(f"collector F: {count(f, 'dynamo_recovery', 'dumped')} tree dumps, "
+             f"{count(f, 'dynamo_discovery', 'tcp')} TCP lookups, not 1 and 1")
+    log("collector F (late start, --dynamo-recovery tcp): the tree dump over TCP, requests 10-13 matched")
+    until("collector G's KV query finds no NATS responder",
+          lambda: count(g, "dynamo_recovery", "unreachable") >= 1 or "not yet")
+    for k in (10, 11, 12):
+        got = matched(g, k).get(worker, 0)
+        if got != 0:
+            fail(f"collector G (late, NATS request plane only) matches request {k} for {got} tokens")
+    log("collector G (late start, --dynamo-recovery nats, no discovery): unreachable, requests 10-12 match nothing")
+
+    # 6. A gap on E, filled over TCP.
+    if count(e, "dynamo", "gap"):
+        fail("collector E: a gap before the outage")
+
+    def away():
+        send(env, 14, 15)
+        until("collector F (running) matches request 15", lambda: matched(f, 15) == {worker: 64} or matched(f, 15))
+    outage([pid_e], nats_mport, away)
+    send(env, 16)
+    until("collector E hears the jump", lambda: count(e, "dynamo", "gap") >= 1 or "no gap")
+    until("collector E's KV query over TCP",
+          lambda: count(e, "dynamo_recovery", "recovered") == 1 or count(e, "dynamo_recovery", "recovered"))
+    for outcome in ("unreachable", "timeout", "refused", "bad_answer", "overflow", "busy", "dumped"):
+        if count(e, "dynamo_recovery", outcome):
+            fail(f"collector E's KV queries counted {outcome}: {count(e, 'dynamo_recovery', outcome)}")
+    if count(e, "dynamo_discovery", "tcp") != 1:
+        fail(f"collector E: {count(e, 'dynamo_discovery', 'tcp')} TCP lookups, not 1")
+    until("collector E matches request 16", lambda: matched(e, 16) == {worker: 64} or matched(e, 16))
+    for k in range(10, 17):
+        if matched(e, k) != {worker: 64}:
+            fail(f"collector E after the gap, request {k}: {matched(e, k)}")
+    log(f"collector E (running, lost requests 14-15, --dynamo-recovery tcp): "
+        f"{count(e, 'dynamo', 'gap')} gap, the range recovered over TCP, requests 10-16 matched")
 
 
 def main():
@@ -351,6 +469,8 @@ def main():
             fail(f"collector D (recovery off) counted {outcome}")
     log("collector D (same outage, --dynamo-recovery off): the gap cleared the worker, "
         "requests 0-5 match nothing")
+    stop("mocker", "collector-a", "collector-b", "collector-c", "collector-d")
+    tcp_plane(work, nats_url, nats_mport)
     stop_all()
     shutil.rmtree(work, ignore_errors=True)
     log(f"PASS in {time.time() - t0:.0f} s")

@@ -86,9 +86,12 @@ pub struct NatsArgs {
     /// Most Dynamo workers (worker id, dp rank) registered at once; past it the one heard from least recently is unregistered [default: 1024].
     #[arg(long, value_name = "N")]
     pub dynamo_max_workers: Option<usize>,
-    /// On a jump in a Dynamo worker's event ids (or a first event past id 1), ask the worker's KV query endpoint for what was missed over the NATS request plane (nats), or clear its blocks (off) [default: nats].
+    /// On a jump in a Dynamo worker's event ids (or a first event past id 1), ask the worker's KV query endpoint for what was missed: over the NATS request plane, or the plane its --dynamo-discovery-dir record names (nats); only workers found in --dynamo-discovery-dir, on the plane their record names (tcp, Dynamo's default TCP request plane); or clear its blocks (off) [default: nats].
     #[arg(long, value_name = "MODE")]
     pub dynamo_recovery: Option<RecoveryMode>,
+    /// Root of the Dynamo deployment's file discovery (its workers' DYN_FILE_KV): where a worker's KV query endpoint is looked up (its TCP address) [default: none; required by --dynamo-recovery tcp].
+    #[arg(long, value_name = "PATH")]
+    pub dynamo_discovery_dir: Option<std::path::PathBuf>,
     /// Where the workers' answers to a KV query connect back to (TCP; a port of 0 picks one) [default: the local address that reaches the NATS server, port 0].
     #[arg(long, value_name = "IP:PORT")]
     pub dynamo_recovery_listen: Option<String>,
@@ -104,9 +107,13 @@ pub struct NatsArgs {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RecoveryMode {
-    /// The worker's KV query endpoint on the NATS request plane.
+    /// The worker's KV query endpoint on the NATS request plane, or on the plane its
+    /// discovery record names.
     #[default]
     Nats,
+    /// The plane the worker's discovery record names (`--dynamo-discovery-dir`); no record,
+    /// no query.
+    Tcp,
     /// No query: a gap clears the worker's blocks.
     Off,
 }
@@ -146,6 +153,7 @@ pub struct DynamoFile {
     pub recovery_listen: Option<String>,
     pub recovery_timeout_ms: Option<u64>,
     pub recovery_max_bytes: Option<usize>,
+    pub discovery_dir: Option<std::path::PathBuf>,
 }
 
 /// The bus settings, validated.
@@ -195,7 +203,7 @@ pub struct DynamoConfig {
     pub recovery: Option<RecoveryConfig>,
 }
 
-/// `--dynamo-recovery nats` ([`super::dynamo::recovery`]).
+/// `--dynamo-recovery nats|tcp` ([`super::dynamo::recovery`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RecoveryConfig {
     /// Where the answers connect back to; `None`: the local address toward the NATS server.
@@ -204,6 +212,12 @@ pub struct RecoveryConfig {
     pub timeout: Duration,
     /// Largest answer, bytes.
     pub max_bytes: usize,
+    /// Dynamo's file discovery root (`--dynamo-discovery-dir`), where a worker's request
+    /// plane is looked up; `None`: every worker is asked over NATS.
+    pub discovery_dir: Option<std::path::PathBuf>,
+    /// A worker without a usable discovery record is asked over NATS (`nats`), or not at all
+    /// (`tcp`).
+    pub nats_fallback: bool,
 }
 
 /// Why the bus settings were refused; names the flag.
@@ -324,6 +338,7 @@ impl DynamoFile {
             recovery_listen: a.dynamo_recovery_listen.clone().or(f.recovery_listen),
             recovery_timeout_ms: a.dynamo_recovery_timeout_ms.or(f.recovery_timeout_ms),
             recovery_max_bytes: a.dynamo_recovery_max_bytes.or(f.recovery_max_bytes),
+            discovery_dir: a.dynamo_discovery_dir.clone().or(f.discovery_dir),
         }
     }
 
@@ -385,9 +400,24 @@ impl DynamoFile {
                 format!("must be 1 to {}", crate::hub::MAX_WORKERS),
             ));
         }
-        let recovery = match self.recovery.unwrap_or_default() {
+        let mode = self.recovery.unwrap_or_default();
+        if mode == RecoveryMode::Tcp && self.discovery_dir.is_none() {
+            return Err(err(
+                "dynamo-discovery-dir",
+                "required with --dynamo-recovery tcp: the workers' file discovery root (DYN_FILE_KV)"
+                    .into(),
+            ));
+        }
+        if self
+            .discovery_dir
+            .as_ref()
+            .is_some_and(|d| d.as_os_str().is_empty())
+        {
+            return Err(err("dynamo-discovery-dir", "an empty path".into()));
+        }
+        let recovery = match mode {
             RecoveryMode::Off => None,
-            RecoveryMode::Nats => {
+            RecoveryMode::Nats | RecoveryMode::Tcp => {
                 let listen = self
                     .recovery_listen
                     .map(|l| l.parse::<std::net::SocketAddr>())
@@ -416,6 +446,8 @@ impl DynamoFile {
                     listen,
                     timeout: Duration::from_millis(ms),
                     max_bytes,
+                    discovery_dir: self.discovery_dir,
+                    nats_fallback: mode == RecoveryMode::Nats,
                 })
             }
         };
@@ -513,9 +545,49 @@ mod tests {
             Some(RecoveryConfig {
                 listen: None,
                 timeout: Duration::from_secs(3),
-                max_bytes: 64 << 20
+                max_bytes: 64 << 20,
+                discovery_dir: None,
+                nats_fallback: true,
             })
         );
+        // The TCP request plane needs the discovery root, and takes it from the table too.
+        let no_dir = NatsArgs {
+            dynamo_recovery: Some(RecoveryMode::Tcp),
+            ..full.clone()
+        };
+        assert_eq!(
+            no_dir.into_config(None, 1).unwrap_err().flag,
+            "dynamo-discovery-dir"
+        );
+        let tcp = NatsArgs {
+            dynamo_recovery: Some(RecoveryMode::Tcp),
+            dynamo_discovery_dir: Some("/run/dynamo".into()),
+            ..full.clone()
+        };
+        let r = tcp
+            .into_config(None, 1)
+            .unwrap()
+            .unwrap()
+            .dynamo
+            .unwrap()
+            .recovery;
+        assert_eq!(
+            r.map(|r| (r.discovery_dir, r.nats_fallback)),
+            Some((Some("/run/dynamo".into()), false))
+        );
+        let file: crate::config::FileConfig = toml::from_str(
+            "[nats]\nurl = \"nats://127.0.0.1:4222\"\n[nats.dynamo]\nnamespace = \"d\"\nmodel = \"m\"\nblock_size = 16\naddress = \"127.0.0.1:1\"\nrecovery = \"tcp\"\ndiscovery_dir = \"/d\"\n",
+        )
+        .unwrap();
+        let r = NatsArgs::default()
+            .into_config(file.nats, 1)
+            .unwrap()
+            .unwrap()
+            .dynamo
+            .unwrap()
+            .recovery
+            .unwrap();
+        assert_eq!(r.discovery_dir, Some("/d".into()));
         assert_eq!(d.address.to_string(), "10.0.0.1:8000");
         let flag = |a: NatsArgs| a.into_config(None, 1).unwrap_err().flag;
         assert_eq!(

@@ -5,7 +5,8 @@
 //! # What Dynamo publishes (the facts this module relies on)
 //!
 //! Checked against a real ai-dynamo 1.6.1 worker (`ai-dynamo` and `ai-dynamo-runtime` 1.6.1
-//! from PyPI, its mocker engine on CPU, `DYN_EVENT_PLANE=nats`, `DYN_REQUEST_PLANE=nats`),
+//! from PyPI, its mocker engine on CPU, `DYN_EVENT_PLANE=nats`, `DYN_REQUEST_PLANE=nats` and
+//! `tcp`),
 //! whose messages and query answers are in `testdata/dynamo/` byte for byte, and run by
 //! `make test-dynamo-interop` (`collector/tests/dynamo_interop.py`):
 //!
@@ -30,8 +31,14 @@
 //!   router asks it on a jump in event ids. On the NATS request plane that endpoint is the
 //!   NATS subject `<ns>_<component>.worker_kv_query_source_<publisher id>-<worker id>` (hex),
 //!   answered over a TCP connection back to the asker ([`recovery`] has the exchange). On the
-//!   TCP request plane (Dynamo's default) the worker's address is only in Dynamo's discovery
-//!   (etcd, Kubernetes, or files), which kvroute does not read.
+//!   TCP request plane (`DYN_REQUEST_PLANE=tcp`, Dynamo's default) the worker's address is
+//!   only in Dynamo's discovery: with file discovery (`DYN_FILE_KV`) a JSON record per
+//!   endpoint instance, `v1/instances/<ns>%2F<c>%2F<endpoint>%2F<worker id, hex>`, whose
+//!   `transport.tcp` is `<host>:<port>/<endpoint path>` ([`discovery`]); the request is a
+//!   length-prefixed message to that address naming the path ([`tcp`]), the answer comes back
+//!   as on the NATS plane (checked against 1.6.1's mocker with `DYN_REQUEST_PLANE=tcp`,
+//!   `testdata/dynamo/tcp_request_plane_1.6.1.txt`). etcd and Kubernetes discovery are not
+//!   read.
 //!
 //! # What this reader does
 //!
@@ -67,7 +74,10 @@
 //! - **Gaps**: per worker and dp rank, the next event id is applied; one at or below the last
 //!   is stale (`duplicate`, skipped, as Dynamo's router does). A jump (`gap`), or a worker's
 //!   first event past id 1 (this collector started or forgot the worker after it published),
-//!   starts a KV query with `--dynamo-recovery nats` (the default; [`recovery`]): the missing
+//!   starts a KV query with `--dynamo-recovery nats` (the default) or `tcp` ([`recovery`];
+//!   with `--dynamo-discovery-dir` the worker's record picks the request plane, what it said
+//!   counted under `{dir="dynamo_discovery"}`: `tcp`, `other_transport`, `missing`,
+//!   `malformed`): the missing
 //!   range for a jump, the whole cache (a tree dump) for a first sight. The worker's events
 //!   wait meanwhile ([`MAX_HELD`] at most; [`MAX_QUERIES`] queries at once). The missing
 //!   events are applied in order (`recovered`), or the dump replaces what the worker held
@@ -85,8 +95,10 @@
 //!   their blocks cannot be trusted; they register again on their next event, and with the
 //!   KV query on, their cache comes back whole as a tree dump.
 
+pub mod discovery;
 pub mod naming;
 pub mod recovery;
+pub mod tcp;
 pub mod wire;
 
 use std::collections::{HashMap, VecDeque};
@@ -118,6 +130,9 @@ const DIR: &str = "dynamo";
 
 /// The `dir` label of the KV queries' outcomes.
 const RECOVERY_DIR: &str = "dynamo_recovery";
+
+/// The `dir` label of what discovery said of the workers asked ([`discovery::Lookup`]).
+const DISCOVERY_DIR: &str = "dynamo_discovery";
 
 /// Longest pause between two attempts to subscribe.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
@@ -163,6 +178,8 @@ struct Done {
     token: u64,
     range: Option<(u64, u64)>,
     result: Result<Answer, Failure>,
+    /// What discovery said of the worker, when it was looked up.
+    looked_up: Option<&'static str>,
 }
 
 /// The reader's state: one entry per Dynamo worker it registered, at most `max_workers` (the
@@ -316,10 +333,10 @@ impl Reader {
             count(&shared.metrics, RECOVERY_DIR, "busy");
             return Err(ev);
         }
-        let subject = source
+        let endpoint = source
             .publisher_id
-            .and_then(|p| naming::query_subject(&source.subject, p, ev.worker_id));
-        let Some(subject) = subject else {
+            .and_then(|p| naming::query_endpoint(&source.subject, p, ev.worker_id));
+        let Some(endpoint) = endpoint else {
             count(&shared.metrics, RECOVERY_DIR, "unaddressable");
             return Err(ev);
         };
@@ -327,7 +344,7 @@ impl Reader {
         self.tokens += 1;
         let token = self.tokens;
         let query = Query {
-            subject,
+            endpoint,
             worker_id: ev.worker_id,
             dp_rank: ev.dp_rank,
             range,
@@ -339,11 +356,13 @@ impl Reader {
             "dynamo: KV query"
         );
         self.queries.spawn(async move {
+            let (result, looked_up) = recovery.query(query).await;
             Done {
                 key,
                 token,
                 range,
-                result: recovery.query(query).await,
+                result,
+                looked_up,
             }
         });
         self.held.insert(
@@ -365,7 +384,11 @@ impl Reader {
             token,
             range,
             result,
+            looked_up,
         } = done;
+        if let Some(outcome) = looked_up {
+            count(&shared.metrics, DISCOVERY_DIR, outcome);
+        }
         if self.held.get(&key).is_none_or(|h| h.token != token) {
             // Given up meanwhile.
             return;
@@ -690,6 +713,13 @@ pub async fn run(shared: Arc<Shared>, bus: Arc<Bus>, client: async_nats::Client)
         Some(rc) => match Recovery::bind(client.clone(), rc.clone(), &bus.config.url).await {
             Ok(r) => {
                 info!(listen = %r.advertised(), "dynamo: KV queries on a gap, answers to this address");
+                if let Some(dir) = &rc.discovery_dir {
+                    // Not fatal: the workers may create it later; each query looks again.
+                    let is_dir = tokio::fs::metadata(dir).await.is_ok_and(|m| m.is_dir());
+                    if !is_dir {
+                        warn!(dir = %dir.display(), "dynamo: --dynamo-discovery-dir is not a directory (yet)");
+                    }
+                }
                 Some(Arc::new(r))
             }
             Err(e) => {

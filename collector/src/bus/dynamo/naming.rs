@@ -1,6 +1,6 @@
-//! The NATS subjects of Dynamo's KV events and of its workers' KV query endpoints (the facts:
-//! [`super`]). Apart from the reader so that the settings can name the subjects without
-//! depending on it.
+//! The NATS subjects of Dynamo's KV events and the names of its workers' KV query endpoints
+//! (their NATS subjects and discovery records; the facts: [`super`]). Apart from the reader
+//! so that the settings can name the subjects without depending on it.
 
 /// The topic of Dynamo's KV events.
 pub const TOPIC: &str = "kv-events";
@@ -26,13 +26,55 @@ pub fn subjects(namespace: &str, component: Option<&str>) -> Result<Vec<String>,
     ])
 }
 
-/// The NATS request-plane subject of the KV query endpoint of the worker that published on
-/// `event_subject` (`namespace.<ns>.component.<c>...`) through event publisher `publisher_id`:
-/// `<ns>_<c>.worker_kv_query_source_<publisher id, hex>-<worker id, hex>` (ai-dynamo 1.6.1:
-/// the endpoint is named after the publisher, the instance is the worker). `None` when the
+/// A worker's KV query endpoint, as Dynamo names it (ai-dynamo 1.6.1: the endpoint is named
+/// after the worker's kv-events publisher, the instance is the worker).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QueryEndpoint {
+    pub namespace: String,
+    pub component: String,
+    /// `worker_kv_query_source_<publisher id, hex>`.
+    pub endpoint: String,
+    pub worker_id: u64,
+}
+
+impl QueryEndpoint {
+    /// Its NATS request-plane subject: `<ns>_<c>.<endpoint>-<worker id, hex>`.
+    pub fn subject(&self) -> String {
+        format!(
+            "{}_{}.{}-{:x}",
+            self.namespace, self.component, self.endpoint, self.worker_id
+        )
+    }
+
+    /// The name of its record in Dynamo's file discovery, under `v1/instances/`: the key
+    /// `<ns>/<c>/<endpoint>/<worker id, hex>` with every byte outside `[A-Za-z0-9]` written
+    /// `%XX` (as 1.6.1 names its files; `testdata/dynamo/tcp_request_plane_1.6.1.txt`).
+    pub fn discovery_file(&self) -> String {
+        let key = format!(
+            "{}/{}/{}/{:x}",
+            self.namespace, self.component, self.endpoint, self.worker_id
+        );
+        let mut out = String::with_capacity(key.len() * 2);
+        for b in key.bytes() {
+            if b.is_ascii_alphanumeric() {
+                out.push(char::from(b));
+            } else {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        }
+        out
+    }
+}
+
+/// The KV query endpoint of the worker that published on `event_subject`
+/// (`namespace.<ns>.component.<c>...`) through event publisher `publisher_id`. `None` when the
 /// event subject does not have that shape (a `--dynamo-subject` of another naming) or a name
 /// could not be a subject token.
-pub fn query_subject(event_subject: &str, publisher_id: u64, worker_id: u64) -> Option<String> {
+pub fn query_endpoint(
+    event_subject: &str,
+    publisher_id: u64,
+    worker_id: u64,
+) -> Option<QueryEndpoint> {
     let mut t = event_subject.split('.');
     let (Some("namespace"), Some(ns), Some("component"), Some(c)) =
         (t.next(), t.next(), t.next(), t.next())
@@ -48,9 +90,17 @@ pub fn query_subject(event_subject: &str, publisher_id: u64, worker_id: u64) -> 
     if !ok(&ns) || !ok(&c) {
         return None;
     }
-    Some(format!(
-        "{ns}_{c}.worker_kv_query_source_{publisher_id:x}-{worker_id:x}"
-    ))
+    Some(QueryEndpoint {
+        namespace: ns,
+        component: c,
+        endpoint: format!("worker_kv_query_source_{publisher_id:x}"),
+        worker_id,
+    })
+}
+
+/// The NATS request-plane subject of that endpoint ([`QueryEndpoint::subject`]).
+pub fn query_subject(event_subject: &str, publisher_id: u64, worker_id: u64) -> Option<String> {
+    query_endpoint(event_subject, publisher_id, worker_id).map(|q| q.subject())
 }
 
 /// One subject segment as Dynamo writes it: bytes outside `[A-Za-z0-9_-]` as `%XX`.
@@ -137,5 +187,23 @@ mod tests {
             None
         );
         assert_eq!(query_subject("dynamo.kv_events", 1, 1), None);
+    }
+
+    #[test]
+    fn discovery_files_are_named_as_dynamo_names_them() {
+        // ai-dynamo 1.6.1's file discovery, TCP request plane (testdata/dynamo/README.md).
+        let text = include_str!("../../../../testdata/dynamo/tcp_request_plane_1.6.1.txt");
+        let file = text
+            .lines()
+            .find_map(|l| l.strip_prefix("instance_file: v1/instances/"))
+            .unwrap();
+        let q = query_endpoint(
+            "namespace.dynamo.component.backend.endpoint.generate.kv-events",
+            1_646_687_948_392_183,
+            14_507_558_946_996_755_466,
+        )
+        .unwrap();
+        assert_eq!(q.endpoint, "worker_kv_query_source_5d9a76a3846f7");
+        assert_eq!(q.discovery_file(), file);
     }
 }

@@ -1,9 +1,19 @@
-//! The KV query a Dynamo worker answers on its request plane (`--dynamo-recovery nats`): what
-//! the reader asks when it missed some of a worker's events (see [`super`] for when and what
-//! happens to the answer).
+//! The KV query a Dynamo worker answers on its request plane (`--dynamo-recovery nats|tcp`):
+//! what the reader asks when it missed some of a worker's events (see [`super`] for when and
+//! what happens to the answer).
+//!
+//! # Which request plane
+//!
+//! With `--dynamo-discovery-dir`, the worker's record there is read first
+//! ([`super::discovery`]): a TCP address sends the request over Dynamo's TCP request plane
+//! ([`super::tcp`]), another transport over NATS. A worker without a usable record is asked
+//! over NATS with `--dynamo-recovery nats` and counted `unreachable` with `tcp` (nothing
+//! would answer). Without the directory, every worker is asked over NATS. Only the request
+//! differs: the answer comes back the same way on both planes.
 //!
 //! # The exchange (ai-dynamo 1.6.1, NATS request plane; captured byte for byte in
-//! `testdata/dynamo/worker_kv_query_1.6.1.txt`)
+//! `testdata/dynamo/worker_kv_query_1.6.1.txt`, the TCP plane's in
+//! `tcp_request_plane_1.6.1.txt`)
 //!
 //! 1. A NATS request to `<ns>_<component>.worker_kv_query_source_<publisher id, hex>-<worker
 //!    id, hex>` ([`super::naming::query_subject`]). Its payload is one *two-part frame*: three
@@ -14,7 +24,9 @@
 //!    stream_type: "response"}>"}}`; the body is the msgpack `WorkerKvQueryRequest
 //!    {worker_id, dp_rank, start_event_id, end_event_id (inclusive; both nil: the whole
 //!    cache), supports_tree_dump_failed, kind: "recovery"}`. The worker acknowledges with an
-//!    empty reply; no responder means the worker has no NATS request plane.
+//!    empty reply; no responder means the worker has no NATS request plane. On the TCP plane
+//!    the same frame is the payload of a request message to the worker's address
+//!    ([`super::tcp`]), acknowledged on that connection.
 //! 2. The worker connects to `address` over TCP and writes two-part frames: a header-only
 //!    handshake `{"subject", "stream_type"}` naming the request, a header-only prologue
 //!    `{"error": null}`, body-only msgpack frames `{"data": WorkerKvQueryResponse,
@@ -23,8 +35,8 @@
 //!
 //! One listener serves every query; a connection is matched to its query by the handshake's
 //! subject, a fresh id per query. Every length is checked against `--dynamo-recovery-max-bytes`
-//! before anything is allocated, and the whole exchange runs under
-//! `--dynamo-recovery-timeout-ms`.
+//! before anything is allocated, and the whole exchange, the discovery lookup included, runs
+//! under `--dynamo-recovery-timeout-ms`.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -38,6 +50,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
+use super::discovery::{self, Lookup};
+use super::naming::QueryEndpoint;
+use super::tcp;
 use super::wire::{self, Answer};
 use crate::bus::settings::RecoveryConfig;
 
@@ -50,8 +65,8 @@ const MAX_HANDSHAKES: usize = 64;
 /// One query: to whom, for what.
 #[derive(Clone, Debug)]
 pub struct Query {
-    /// The worker's KV query subject.
-    pub subject: String,
+    /// The worker's KV query endpoint.
+    pub endpoint: QueryEndpoint,
     pub worker_id: u64,
     pub dp_rank: u32,
     /// The event ids wanted, both ends included; `None`: the whole cache (a tree dump).
@@ -61,7 +76,9 @@ pub struct Query {
 /// Why a query brought nothing usable; each is counted under its [`Failure::outcome`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Failure {
-    /// The NATS request failed: no responder (no NATS request plane) or no connection.
+    /// The request was not taken: no NATS responder (no NATS request plane), no connection,
+    /// a TCP request plane that serves no such endpoint, or (`--dynamo-recovery tcp`) no
+    /// usable discovery record.
     Unreachable,
     /// Out of `--dynamo-recovery-timeout-ms`.
     Timeout,
@@ -193,14 +210,43 @@ impl Recovery {
         }
     }
 
-    /// Asks; the whole exchange under `--dynamo-recovery-timeout-ms`.
-    pub async fn query(&self, q: Query) -> Result<Answer, Failure> {
-        tokio::time::timeout(self.config.timeout, self.exchange(q))
+    /// Asks; the whole exchange under `--dynamo-recovery-timeout-ms`. Also what discovery
+    /// said of the worker, when it was looked up ([`Lookup::outcome`]).
+    pub async fn query(&self, q: Query) -> (Result<Answer, Failure>, Option<&'static str>) {
+        let mut looked_up = None;
+        let result = tokio::time::timeout(self.config.timeout, self.exchange(q, &mut looked_up))
             .await
-            .unwrap_or(Err(Failure::Timeout))
+            .unwrap_or(Err(Failure::Timeout));
+        (result, looked_up)
     }
 
-    async fn exchange(&self, q: Query) -> Result<Answer, Failure> {
+    /// The plane to ask `e` on (the module doc, "Which request plane").
+    async fn route(
+        &self,
+        e: &QueryEndpoint,
+        looked_up: &mut Option<&'static str>,
+    ) -> Result<Route, Failure> {
+        let Some(dir) = &self.config.discovery_dir else {
+            return Ok(Route::Nats(e.subject()));
+        };
+        let found = discovery::lookup(dir, e).await;
+        *looked_up = Some(found.outcome());
+        match found {
+            Lookup::Tcp { addr, path } => Ok(Route::Tcp { addr, path }),
+            Lookup::Other => Ok(Route::Nats(e.subject())),
+            Lookup::Missing | Lookup::Malformed if self.config.nats_fallback => {
+                Ok(Route::Nats(e.subject()))
+            }
+            Lookup::Missing | Lookup::Malformed => Err(Failure::Unreachable),
+        }
+    }
+
+    async fn exchange(
+        &self,
+        q: Query,
+        looked_up: &mut Option<&'static str>,
+    ) -> Result<Answer, Failure> {
+        let route = self.route(&q.endpoint, looked_up).await?;
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         // UUID-shaped, as Dynamo's own ids are.
         let id = format!(
@@ -228,12 +274,25 @@ impl Recovery {
             "connection_info": {"transport": "tcp_server", "info": info.to_string()},
         });
         let frame = two_part(header.to_string().as_bytes(), &request_body(&q));
-        if let Err(e) = self.client.request(q.subject.clone(), frame.into()).await {
-            debug!(subject = %q.subject, error = %e, "dynamo: KV query not delivered");
-            return Err(Failure::Unreachable);
+        let mut budget = self.config.max_bytes;
+        match route {
+            Route::Nats(subject) => {
+                if let Err(e) = self.client.request(subject.clone(), frame.into()).await {
+                    debug!(subject = %subject, error = %e, "dynamo: KV query not delivered");
+                    return Err(Failure::Unreachable);
+                }
+            }
+            Route::Tcp { addr, path } => {
+                let message = tcp::request(&path, &id, &frame).ok_or(Failure::Unreachable)?;
+                tcp::send(&addr, &message, &mut budget)
+                    .await
+                    .map_err(|e| match e {
+                        tcp::NotTaken::Unreachable => Failure::Unreachable,
+                        tcp::NotTaken::TooLarge => Failure::BadAnswer,
+                    })?;
+            }
         }
         let mut stream = rx.await.map_err(|_| Failure::Unreachable)?;
-        let mut budget = self.config.max_bytes;
         let (mut answer, mut complete) = (None::<Answer>, false);
         loop {
             let (header, body) = read_frame(&mut stream, &mut budget)
@@ -263,6 +322,14 @@ impl Recovery {
             _ => Err(Failure::BadAnswer),
         }
     }
+}
+
+/// Where a query's request goes.
+enum Route {
+    /// The worker's NATS request-plane subject.
+    Nats(String),
+    /// The worker's TCP request plane: its address and the endpoint's path there.
+    Tcp { addr: String, path: String },
 }
 
 /// Removes a query's entry however it ends.
@@ -411,7 +478,12 @@ mod tests {
         // The body of the captured query for events 2..3: the same fields, in the same order
         // (Python's msgpack wrote the smallest int forms; rmp-serde reads either).
         let q = Query {
-            subject: String::new(),
+            endpoint: QueryEndpoint {
+                namespace: "dynamo".into(),
+                component: "backend".into(),
+                endpoint: "worker_kv_query_source_3fecf4985069a".into(),
+                worker_id: 7_030_154_717_409_816_316,
+            },
             worker_id: 7_030_154_717_409_816_316,
             dp_rank: 0,
             range: Some((2, 3)),
