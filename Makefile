@@ -93,6 +93,7 @@ test-e2e: wasm
 test-dynamo-interop:
 	$(CARGO) build -j$(JOBS) -p kvroute-collector
 	bash tools/install-nats-server.sh >/dev/null
+	bash tools/install-etcd.sh >/dev/null
 	KVROUTE_PROFILE=debug python3 collector/tests/dynamo_interop.py
 .PHONY: test-dynamo-interop
 

@@ -58,6 +58,7 @@ impl Reader {
                 timeout: Duration::from_secs(2),
                 max_bytes: 1 << 20,
                 discovery_dir: None,
+                discovery_etcd: None,
                 nats_fallback: true,
             }),
         };
@@ -660,6 +661,7 @@ fn recovery(timeout_ms: u64, max_bytes: usize) -> Option<RecoveryConfig> {
         timeout: Duration::from_millis(timeout_ms),
         max_bytes,
         discovery_dir: None,
+        discovery_etcd: None,
         nats_fallback: true,
     })
 }
@@ -1029,6 +1031,7 @@ fn tcp_recovery(root: &std::path::Path, nats_fallback: bool) -> Option<RecoveryC
         timeout: Duration::from_secs(5),
         max_bytes: 1 << 20,
         discovery_dir: Some(root.to_owned()),
+        discovery_etcd: None,
         nats_fallback,
     })
 }
@@ -1148,4 +1151,144 @@ async fn tcp_queries_that_cannot_be_made_fall_back_to_clearing_the_worker() {
     assert_eq!(c.bus_count("dynamo_recovery", "recovered"), 1);
     c.stop().await;
     let _ = std::fs::remove_dir_all(root);
+}
+
+/// A stand-in for etcd's JSON gateway holding `record` (or nothing) under the captured
+/// worker's key, answering `POST /v3/kv/range` as etcd 3.4 does
+/// (`testdata/dynamo/etcd_discovery_1.6.1.txt`). Returns its URL and each range request's key.
+async fn fake_etcd(
+    record: Option<String>,
+) -> (String, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    use kvroute_collector::bus::dynamo::etcd;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let mut req = Vec::new();
+            let mut buf = [0u8; 4096];
+            let body = loop {
+                let n = s.read(&mut buf).await.unwrap();
+                assert!(n > 0, "a whole request");
+                req.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8(req.clone()).unwrap();
+                if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                    assert!(head.starts_with("POST /v3/kv/range HTTP/1.1\r\n"), "{head}");
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length: ")
+                                .map(|n| n.trim().parse().unwrap())
+                        })
+                        .unwrap();
+                    if body.len() >= len {
+                        break body.to_owned();
+                    }
+                }
+            };
+            let asked: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let key = etcd::base64_decode(asked["key"].as_str().unwrap()).unwrap();
+            let key = String::from_utf8(key).unwrap();
+            let mut answer = serde_json::json!({"header": {"cluster_id": "1", "member_id": "2",
+                "revision": "9", "raft_term": "2"}});
+            if let Some(r) = record
+                .as_ref()
+                .filter(|_| key == etcd::key(&cap_endpoint()))
+            {
+                answer["kvs"] = serde_json::json!([{"key": etcd::base64_encode(key.as_bytes()),
+                    "create_revision": "8", "mod_revision": "8", "version": "1",
+                    "value": etcd::base64_encode(r.as_bytes()), "lease": "7"}]);
+                answer["count"] = "1".into();
+            }
+            let _ = tx.send(key);
+            let body = answer.to_string();
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n", body.len());
+            let _ = s.write_all(head.as_bytes()).await;
+            let _ = s.write_all(body.as_bytes()).await;
+        }
+    });
+    (url, rx)
+}
+
+/// `--dynamo-recovery tcp` (or `nats`, `nats_fallback`) with etcd discovery at `url`.
+fn etcd_recovery(url: &str, nats_fallback: bool) -> Option<RecoveryConfig> {
+    Some(RecoveryConfig {
+        listen: None,
+        timeout: Duration::from_secs(5),
+        max_bytes: 1 << 20,
+        discovery_dir: None,
+        discovery_etcd: Some(url.to_owned()),
+        nats_fallback,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_collector_finds_the_worker_in_etcd_discovery() {
+    let nats = Nats::start().await;
+    let (addr, mut queries) = fake_tcp_worker("dump").await;
+    let (url, mut keys) = fake_etcd(Some(tcp_record(addr))).await;
+    let c = cap_reader(&nats, etcd_recovery(&url, false)).await;
+    let mut p = Worker::connect(&nats).await;
+    publish_until(&c, &mut p, &captured(2), &cap_prompt(0), 64).await;
+    c.until(&cap_prompt(1), CAP_WORKER, 64).await;
+    assert_eq!(
+        keys.recv().await.as_deref(),
+        Some("v1/instances/dynamo/backend/worker_kv_query_source_3fecf4985069a/61902077d73faefc")
+    );
+    let (path, q) = queries.recv().await.expect("a query over TCP");
+    assert_eq!(path, TCP_PATH);
+    assert_eq!(q["start_event_id"], serde_json::Value::Null);
+    assert_eq!(c.bus_count("dynamo_recovery", "dumped"), 1);
+    assert_eq!(c.bus_count("dynamo_discovery", "tcp"), 1);
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_lookups_that_fail_fall_back_as_file_ones_do() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    // No such key, an etcd that holds garbage, no etcd: with `tcp`, the worker is cleared.
+    for (etcd, discovery) in [
+        (Some(None), "missing"),
+        (
+            Some(Some("{\"type\": \"Endpoint\"".to_owned())),
+            "malformed",
+        ),
+        (None, "malformed"),
+    ] {
+        let nats = Nats::start().await;
+        let url = match etcd {
+            Some(record) => fake_etcd(record).await.0,
+            None => dead.clone(),
+        };
+        let c = cap_reader(&nats, etcd_recovery(&url, false)).await;
+        let mut p = Worker::connect(&nats).await;
+        publish_until(&c, &mut p, &captured(0), &cap_prompt(0), 64).await;
+        p.raw(CAP_SUBJECT, captured(17)).await;
+        c.until(&cap_prompt(0), CAP_WORKER, 0).await;
+        assert_eq!(c.bus_count("dynamo_discovery", discovery), 1, "{discovery}");
+        assert_eq!(
+            c.bus_count("dynamo_recovery", "unreachable"),
+            1,
+            "{discovery}"
+        );
+        assert_eq!(c.count("gap"), 1);
+        c.stop().await;
+    }
+    // `nats`: no etcd there, so the worker is asked over NATS as before.
+    let nats = Nats::start().await;
+    let mut nats_queries = fake_query_endpoint(&nats, Answering::Captured("2_3")).await;
+    let c = cap_reader(&nats, etcd_recovery(&dead, true)).await;
+    let mut p = Worker::connect(&nats).await;
+    publish_until(&c, &mut p, &captured(0), &cap_prompt(0), 64).await;
+    p.raw(CAP_SUBJECT, captured(2)).await;
+    c.until(&cap_prompt(2), CAP_WORKER, 64).await;
+    assert!(nats_queries.recv().await.is_some());
+    assert_eq!(c.bus_count("dynamo_discovery", "malformed"), 1);
+    assert_eq!(c.bus_count("dynamo_recovery", "recovered"), 1);
+    c.stop().await;
 }

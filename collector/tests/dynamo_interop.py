@@ -29,8 +29,17 @@ collectors given --dynamo-recovery tcp --dynamo-discovery-dir (the mocker's DYN_
    (`unreachable`) and matches none of them;
 6. a running collector that lost messages the same way as in 4 fills the range over TCP.
 
+Then a third mocker on the TCP request plane with etcd discovery (DYN_DISCOVERY_BACKEND=etcd,
+a real etcd from tools/install-etcd.sh, Dynamo's default outside Kubernetes):
+
+7. a collector started late with --dynamo-recovery tcp --dynamo-discovery-etcd finds the
+   worker's KV query endpoint in etcd (through etcd's JSON gateway), asks it over TCP for the
+   whole cache and matches the earlier prompts; its twin given no discovery (NATS request
+   plane only) gets no answer and matches none of them.
+
 Nothing is skipped: a failed install or a missing binary fails the test, with the reason.
 """
+import base64
 import json
 import os
 import re
@@ -143,7 +152,8 @@ CLIENT = r'''
 import asyncio, os, sys
 from dynamo._core import DistributedRuntime
 async def main():
-    rt = DistributedRuntime(asyncio.get_running_loop(), "file", os.environ["DYN_REQUEST_PLANE"],
+    rt = DistributedRuntime(asyncio.get_running_loop(), os.environ["DYN_DISCOVERY_BACKEND"],
+                            os.environ["DYN_REQUEST_PLANE"],
                             event_plane="nats")
     client = await rt.endpoint("dynamo.backend.generate").client()
     await asyncio.wait_for(client.wait_for_instances(), 30)
@@ -344,6 +354,82 @@ def tcp_plane(work, nats_url, nats_mport):
         f"{count(e, 'dynamo', 'gap')} gap, the range recovered over TCP, requests 10-16 matched")
 
 
+def etcd_plane(work, nats_url):
+    """Case 7: the worker on the TCP request plane, found through etcd discovery."""
+    etcd_bin = subprocess.run(["bash", str(ROOT / "tools/install-etcd.sh")],
+                              capture_output=True, text=True)
+    if etcd_bin.returncode != 0:
+        fail("tools/install-etcd.sh failed:\n" + etcd_bin.stderr)
+    cport, pport = free_port(), free_port()
+    etcd_url = f"http://127.0.0.1:{cport}"
+    start("etcd", [etcd_bin.stdout.strip(), "--name", "kvroute-interop",
+                   "--data-dir", str(work / "etcd"),
+                   "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+                   "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+                   "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+                   "--initial-cluster", f"kvroute-interop=http://127.0.0.1:{pport}"],
+          dict(os.environ), work)
+
+    def etcd_up():
+        try:
+            with urllib.request.urlopen(etcd_url + "/health", timeout=2) as r:
+                return json.loads(r.read()).get("health") == "true" or "not healthy"
+        except Exception as e:  # not up yet
+            return repr(e)
+    until("etcd /health", etcd_up, 30)
+
+    def etcd_keys():
+        body = json.dumps({"key": base64.b64encode(b"v1/instances/").decode(),
+                           "range_end": base64.b64encode(b"v1/instances0").decode()}).encode()
+        req = urllib.request.Request(etcd_url + "/v3/kv/range", data=body,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            kvs = json.loads(r.read()).get("kvs") or []
+        return {base64.b64decode(kv["key"]).decode(): json.loads(base64.b64decode(kv["value"]))
+                for kv in kvs}
+
+    env = dict(os.environ, NATS_SERVER=nats_url, DYN_DISCOVERY_BACKEND="etcd",
+               ETCD_ENDPOINTS=etcd_url, DYN_EVENT_PLANE="nats", DYN_REQUEST_PLANE="tcp",
+               DYN_TCP_RPC_HOST="127.0.0.1", HF_HUB_OFFLINE="1", DYN_LOG="info")
+    env.pop("DYN_FILE_KV", None)
+    h = collector("collector-h", nats_url, work, "--dynamo-recovery", "off")
+    start("mocker-etcd", [str(venv_python()), "-m", "dynamo.mocker", "--num-gpu-blocks-override", "64",
+                          "--block-size", str(BLOCK), "--kv-bytes-per-token", "64"], env, work)
+    until("the etcd mocker's KV query endpoint in etcd",
+          lambda: any("/worker_kv_query_source_" in k for k in etcd_keys()) or "not yet", 60)
+    key, record = next((k, v) for k, v in etcd_keys().items() if "/worker_kv_query_source_" in k)
+    if "tcp" not in record["transport"]:
+        fail(f"the etcd mocker's KV query endpoint is not on the TCP request plane: {record}")
+    send(env, 20, 21, 22)
+    until("collector H matches request 22", lambda: len(matched(h, 22)) == 1 and 64 in matched(h, 22).values() or matched(h, 22))
+    worker = next(iter(matched(h, 22)))
+    log(f"etcd discovery: worker {worker}, its KV query endpoint at {key}: {record['transport']['tcp']}")
+
+    # 7. Late: found through etcd and asked over TCP (I), or over NATS only (J).
+    i = collector("collector-i", nats_url, work, "--dynamo-recovery", "tcp",
+                  "--dynamo-discovery-etcd", etcd_url)
+    j = collector("collector-j", nats_url, work)
+    send(env, 23)
+    until("collector I matches request 23", lambda: matched(i, 23) == {worker: 64} or matched(i, 23))
+    for k in (20, 21, 22):
+        if matched(i, k) != {worker: 64}:
+            fail(f"collector I (late, etcd discovery), request {k}: {matched(i, k)}")
+    if count(i, "dynamo_recovery", "dumped") != 1 or count(i, "dynamo_discovery", "tcp") != 1:
+        fail(f"collector I: {count(i, 'dynamo_recovery', 'dumped')} tree dumps, "
+             f"{count(i, 'dynamo_discovery', 'tcp')} TCP lookups, not 1 and 1")
+    for outcome in ("missing", "malformed", "other_transport"):
+        if count(i, "dynamo_discovery", outcome):
+            fail(f"collector I's lookups counted {outcome}: {count(i, 'dynamo_discovery', outcome)}")
+    log("collector I (late start, --dynamo-discovery-etcd): the tree dump over TCP, requests 20-23 matched")
+    until("collector J's KV query finds no NATS responder",
+          lambda: count(j, "dynamo_recovery", "unreachable") >= 1 or "not yet")
+    for k in (20, 21, 22):
+        got = matched(j, k).get(worker, 0)
+        if got != 0:
+            fail(f"collector J (late, NATS request plane only) matches request {k} for {got} tokens")
+    log("collector J (late start, no discovery): unreachable, requests 20-22 match nothing")
+
+
 def main():
     t0 = time.time()
     if not COLLECTOR.exists():
@@ -471,6 +557,8 @@ def main():
         "requests 0-5 match nothing")
     stop("mocker", "collector-a", "collector-b", "collector-c", "collector-d")
     tcp_plane(work, nats_url, nats_mport)
+    stop("mocker-tcp", "collector-e", "collector-f", "collector-g")
+    etcd_plane(work, nats_url)
     stop_all()
     shutil.rmtree(work, ignore_errors=True)
     log(f"PASS in {time.time() - t0:.0f} s")

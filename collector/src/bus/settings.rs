@@ -92,6 +92,9 @@ pub struct NatsArgs {
     /// Root of the Dynamo deployment's file discovery (its workers' DYN_FILE_KV): where a worker's KV query endpoint is looked up (its TCP address) [default: none; required by --dynamo-recovery tcp].
     #[arg(long, value_name = "PATH")]
     pub dynamo_discovery_dir: Option<std::path::PathBuf>,
+    /// The Dynamo deployment's etcd discovery (its workers' ETCD_ENDPOINTS), http://host:port: where a worker's KV query endpoint is looked up through etcd's JSON gateway, instead of --dynamo-discovery-dir [default: none; --dynamo-recovery tcp needs this or --dynamo-discovery-dir].
+    #[arg(long, value_name = "URL")]
+    pub dynamo_discovery_etcd: Option<String>,
     /// Where the workers' answers to a KV query connect back to (TCP; a port of 0 picks one) [default: the local address that reaches the NATS server, port 0].
     #[arg(long, value_name = "IP:PORT")]
     pub dynamo_recovery_listen: Option<String>,
@@ -154,6 +157,7 @@ pub struct DynamoFile {
     pub recovery_timeout_ms: Option<u64>,
     pub recovery_max_bytes: Option<usize>,
     pub discovery_dir: Option<std::path::PathBuf>,
+    pub discovery_etcd: Option<String>,
 }
 
 /// The bus settings, validated.
@@ -213,8 +217,11 @@ pub struct RecoveryConfig {
     /// Largest answer, bytes.
     pub max_bytes: usize,
     /// Dynamo's file discovery root (`--dynamo-discovery-dir`), where a worker's request
-    /// plane is looked up; `None`: every worker is asked over NATS.
+    /// plane is looked up; `None`: every worker is asked over NATS (unless `discovery_etcd`).
     pub discovery_dir: Option<std::path::PathBuf>,
+    /// Dynamo's etcd discovery (`--dynamo-discovery-etcd`, `http://host:port`, no trailing
+    /// `/`), where a worker's request plane is looked up instead; never with `discovery_dir`.
+    pub discovery_etcd: Option<String>,
     /// A worker without a usable discovery record is asked over NATS (`nats`), or not at all
     /// (`tcp`).
     pub nats_fallback: bool,
@@ -321,6 +328,28 @@ impl NatsArgs {
     }
 }
 
+/// `--dynamo-discovery-etcd`: an `http://host[:port][/path]` URL (the client has no TLS),
+/// without its trailing `/`.
+fn etcd_url(u: &str) -> Result<String, BusConfigError> {
+    let bad = |msg: &str| BusConfigError {
+        flag: "dynamo-discovery-etcd",
+        msg: msg.into(),
+    };
+    let url = reqwest::Url::parse(u).map_err(|_| bad("not a URL (http://host:port)"))?;
+    if url.scheme() != "http" {
+        return Err(bad("an http:// URL (no TLS here)"));
+    }
+    if url.host_str().is_none_or(str::is_empty)
+        || url.query().is_some()
+        || url.fragment().is_some()
+        || !url.username().is_empty()
+        || url.password().is_some()
+    {
+        return Err(bad("http://host:port, without user, query or fragment"));
+    }
+    Ok(url.as_str().trim_end_matches('/').to_owned())
+}
+
 impl DynamoFile {
     /// The `--dynamo-*` flags over the `[nats.dynamo]` table.
     fn merge(a: &NatsArgs, f: DynamoFile) -> DynamoFile {
@@ -339,6 +368,7 @@ impl DynamoFile {
             recovery_timeout_ms: a.dynamo_recovery_timeout_ms.or(f.recovery_timeout_ms),
             recovery_max_bytes: a.dynamo_recovery_max_bytes.or(f.recovery_max_bytes),
             discovery_dir: a.dynamo_discovery_dir.clone().or(f.discovery_dir),
+            discovery_etcd: a.dynamo_discovery_etcd.clone().or(f.discovery_etcd),
         }
     }
 
@@ -401,13 +431,23 @@ impl DynamoFile {
             ));
         }
         let mode = self.recovery.unwrap_or_default();
-        if mode == RecoveryMode::Tcp && self.discovery_dir.is_none() {
+        if mode == RecoveryMode::Tcp
+            && self.discovery_dir.is_none()
+            && self.discovery_etcd.is_none()
+        {
             return Err(err(
                 "dynamo-discovery-dir",
-                "required with --dynamo-recovery tcp: the workers' file discovery root (DYN_FILE_KV)"
+                "required with --dynamo-recovery tcp (or --dynamo-discovery-etcd): the workers' file discovery root (DYN_FILE_KV)"
                     .into(),
             ));
         }
+        if self.discovery_dir.is_some() && self.discovery_etcd.is_some() {
+            return Err(err(
+                "dynamo-discovery-etcd",
+                "not with --dynamo-discovery-dir: a deployment has one discovery".into(),
+            ));
+        }
+        let discovery_etcd = self.discovery_etcd.map(|u| etcd_url(&u)).transpose()?;
         if self
             .discovery_dir
             .as_ref()
@@ -447,6 +487,7 @@ impl DynamoFile {
                     timeout: Duration::from_millis(ms),
                     max_bytes,
                     discovery_dir: self.discovery_dir,
+                    discovery_etcd,
                     nats_fallback: mode == RecoveryMode::Nats,
                 })
             }
@@ -547,6 +588,7 @@ mod tests {
                 timeout: Duration::from_secs(3),
                 max_bytes: 64 << 20,
                 discovery_dir: None,
+                discovery_etcd: None,
                 nats_fallback: true,
             })
         );
@@ -588,6 +630,62 @@ mod tests {
             .recovery
             .unwrap();
         assert_eq!(r.discovery_dir, Some("/d".into()));
+        // Or etcd discovery (the flag or the table), an http:// URL, never with the root.
+        let etcd = |u: &str| NatsArgs {
+            dynamo_recovery: Some(RecoveryMode::Tcp),
+            dynamo_discovery_etcd: Some(u.into()),
+            ..full.clone()
+        };
+        let r = etcd("http://127.0.0.1:2379/")
+            .into_config(None, 1)
+            .unwrap()
+            .unwrap()
+            .dynamo
+            .unwrap()
+            .recovery
+            .unwrap();
+        assert_eq!(
+            (
+                r.discovery_etcd.as_deref(),
+                r.discovery_dir,
+                r.nats_fallback
+            ),
+            (Some("http://127.0.0.1:2379"), None, false)
+        );
+        for bad in [
+            "127.0.0.1:2379",
+            "https://etcd:2379",
+            "http://",
+            "http://h:1/?q",
+            "x",
+        ] {
+            assert_eq!(
+                etcd(bad).into_config(None, 1).unwrap_err().flag,
+                "dynamo-discovery-etcd",
+                "{bad}"
+            );
+        }
+        let both = NatsArgs {
+            dynamo_discovery_dir: Some("/d".into()),
+            ..etcd("http://127.0.0.1:2379")
+        };
+        assert_eq!(
+            both.into_config(None, 1).unwrap_err().flag,
+            "dynamo-discovery-etcd"
+        );
+        let file: crate::config::FileConfig = toml::from_str(
+            "[nats]\nurl = \"nats://127.0.0.1:4222\"\n[nats.dynamo]\nnamespace = \"d\"\nmodel = \"m\"\nblock_size = 16\naddress = \"127.0.0.1:1\"\nrecovery = \"tcp\"\ndiscovery_etcd = \"http://etcd:2379\"\n",
+        )
+        .unwrap();
+        let r = NatsArgs::default()
+            .into_config(file.nats, 1)
+            .unwrap()
+            .unwrap()
+            .dynamo
+            .unwrap()
+            .recovery
+            .unwrap();
+        assert_eq!(r.discovery_etcd.as_deref(), Some("http://etcd:2379"));
         assert_eq!(d.address.to_string(), "10.0.0.1:8000");
         let flag = |a: NatsArgs| a.into_config(None, 1).unwrap_err().flag;
         assert_eq!(

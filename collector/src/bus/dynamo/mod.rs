@@ -37,8 +37,11 @@
 //!   `transport.tcp` is `<host>:<port>/<endpoint path>` ([`discovery`]); the request is a
 //!   length-prefixed message to that address naming the path ([`tcp`]), the answer comes back
 //!   as on the NATS plane (checked against 1.6.1's mocker with `DYN_REQUEST_PLANE=tcp`,
-//!   `testdata/dynamo/tcp_request_plane_1.6.1.txt`). etcd and Kubernetes discovery are not
-//!   read.
+//!   `testdata/dynamo/tcp_request_plane_1.6.1.txt`). With etcd discovery (`ETCD_ENDPOINTS`,
+//!   Dynamo's default outside Kubernetes) the same record is the value of the etcd key
+//!   `v1/instances/<ns>/<c>/<endpoint>/<worker id, hex>` (unescaped), under the worker's
+//!   lease, read through etcd's JSON gateway ([`etcd`]; checked against 1.6.1's mocker and
+//!   etcd 3.4, `testdata/dynamo/etcd_discovery_1.6.1.txt`). Kubernetes discovery is not read.
 //!
 //! # What this reader does
 //!
@@ -75,8 +78,8 @@
 //!   is stale (`duplicate`, skipped, as Dynamo's router does). A jump (`gap`), or a worker's
 //!   first event past id 1 (this collector started or forgot the worker after it published),
 //!   starts a KV query with `--dynamo-recovery nats` (the default) or `tcp` ([`recovery`];
-//!   with `--dynamo-discovery-dir` the worker's record picks the request plane, what it said
-//!   counted under `{dir="dynamo_discovery"}`: `tcp`, `other_transport`, `missing`,
+//!   with `--dynamo-discovery-dir` or `--dynamo-discovery-etcd` the worker's record picks the
+//!   request plane, what it said counted under `{dir="dynamo_discovery"}`: `tcp`, `other_transport`, `missing`,
 //!   `malformed`): the missing
 //!   range for a jump, the whole cache (a tree dump) for a first sight. The worker's events
 //!   wait meanwhile ([`MAX_HELD`] at most; [`MAX_QUERIES`] queries at once). The missing
@@ -96,6 +99,7 @@
 //!   KV query on, their cache comes back whole as a tree dump.
 
 pub mod discovery;
+pub mod etcd;
 pub mod naming;
 pub mod recovery;
 pub mod tcp;
@@ -719,6 +723,9 @@ pub async fn run(shared: Arc<Shared>, bus: Arc<Bus>, client: async_nats::Client)
                     if !is_dir {
                         warn!(dir = %dir.display(), "dynamo: --dynamo-discovery-dir is not a directory (yet)");
                     }
+                }
+                if let Some(url) = &rc.discovery_etcd {
+                    info!(%url, "dynamo: workers' KV query endpoints looked up in etcd");
                 }
                 Some(Arc::new(r))
             }

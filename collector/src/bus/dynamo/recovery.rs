@@ -5,10 +5,11 @@
 //! # Which request plane
 //!
 //! With `--dynamo-discovery-dir`, the worker's record there is read first
-//! ([`super::discovery`]): a TCP address sends the request over Dynamo's TCP request plane
+//! ([`super::discovery`]); with `--dynamo-discovery-etcd`, the same record is asked of etcd
+//! ([`super::etcd`]). A TCP address sends the request over Dynamo's TCP request plane
 //! ([`super::tcp`]), another transport over NATS. A worker without a usable record is asked
 //! over NATS with `--dynamo-recovery nats` and counted `unreachable` with `tcp` (nothing
-//! would answer). Without the directory, every worker is asked over NATS. Only the request
+//! would answer). Without either, every worker is asked over NATS. Only the request
 //! differs: the answer comes back the same way on both planes.
 //!
 //! # The exchange (ai-dynamo 1.6.1, NATS request plane; captured byte for byte in
@@ -51,6 +52,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
 use super::discovery::{self, Lookup};
+use super::etcd::Etcd;
 use super::naming::QueryEndpoint;
 use super::tcp;
 use super::wire::{self, Answer};
@@ -107,6 +109,8 @@ impl Failure {
 pub struct Recovery {
     client: async_nats::Client,
     config: RecoveryConfig,
+    /// `--dynamo-discovery-etcd`'s client.
+    etcd: Option<Etcd>,
     /// The address the workers are told to connect to.
     advertised: SocketAddr,
     listener: Mutex<Option<TcpListener>>,
@@ -150,8 +154,15 @@ impl Recovery {
             h.write_u32(std::process::id());
             h.finish()
         };
+        // Half the query's budget: a lookup that fails still leaves time for the fallback.
+        let etcd = config
+            .discovery_etcd
+            .as_deref()
+            .map(|url| Etcd::new(url, config.timeout / 2))
+            .transpose()?;
         Ok(Recovery {
             client,
+            etcd,
             config,
             advertised,
             listener: Mutex::new(Some(listener)),
@@ -226,10 +237,11 @@ impl Recovery {
         e: &QueryEndpoint,
         looked_up: &mut Option<&'static str>,
     ) -> Result<Route, Failure> {
-        let Some(dir) = &self.config.discovery_dir else {
-            return Ok(Route::Nats(e.subject()));
+        let found = match (&self.etcd, &self.config.discovery_dir) {
+            (Some(etcd), _) => etcd.lookup(e).await,
+            (None, Some(dir)) => discovery::lookup(dir, e).await,
+            (None, None) => return Ok(Route::Nats(e.subject())),
         };
-        let found = discovery::lookup(dir, e).await;
         *looked_up = Some(found.outcome());
         match found {
             Lookup::Tcp { addr, path } => Ok(Route::Tcp { addr, path }),
