@@ -337,46 +337,61 @@ impl Index {
 
     /// The whole index as plain data, parents before children, for `--state-dir`.
     pub fn export(&self) -> IndexDump {
-        let mut workers = Vec::new();
-        for (idx, w) in self.workers.iter().enumerate() {
-            let Some(w) = w else { continue };
-            let mut nodes = Vec::with_capacity(w.by_engine.len());
-            // Roots first, then each node's children after it: a pre-order walk.
-            let mut stack: Vec<u32> = w
-                .by_engine
-                .iter()
-                .copied()
-                .filter(|&n| self.nodes[n as usize].parent == NIL)
-                .collect();
-            while let Some(n) = stack.pop() {
-                let node = &self.nodes[n as usize];
-                let scope = &self.scopes[node.scope as usize];
-                nodes.push(NodeDump {
-                    engine: node.engine.0,
-                    parent: (node.parent != NIL).then(|| self.nodes[node.parent as usize].engine.0),
-                    key: node.key.0,
-                    scope: scope.id.0,
-                    seed: scope.seed,
-                    tiers: node.tiers.0,
-                });
-                let mut c = node.first_child;
-                while c != NIL {
-                    stack.push(c);
-                    c = self.nodes[c as usize].next_sibling;
-                }
-            }
-            workers.push(WorkerDump {
-                worker: idx as u32,
-                tenant: w.tenant.clone(),
-                model: w.model.clone(),
-                block_size: w.block_size,
-                nodes,
-            });
-        }
         IndexDump {
             version: 1,
-            workers,
+            workers: self
+                .worker_ids()
+                .filter_map(|w| self.export_worker(w))
+                .collect(),
         }
+    }
+
+    /// The workers [`Index::export_worker`] has a dump for, in id order.
+    pub fn worker_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.is_some())
+            .map(|(idx, _)| idx as u32)
+    }
+
+    /// One worker's part of [`Index::export`]; `None` for a worker the index does not have.
+    /// A caller writing a large index out can take one worker at a time, so that it never
+    /// holds a copy of the whole index.
+    pub fn export_worker(&self, worker: u32) -> Option<WorkerDump> {
+        let w = self.workers.get(worker as usize)?.as_ref()?;
+        let mut nodes = Vec::with_capacity(w.by_engine.len());
+        // Roots first, then each node's children after it: a pre-order walk.
+        let mut stack: Vec<u32> = w
+            .by_engine
+            .iter()
+            .copied()
+            .filter(|&n| self.nodes[n as usize].parent == NIL)
+            .collect();
+        while let Some(n) = stack.pop() {
+            let node = &self.nodes[n as usize];
+            let scope = &self.scopes[node.scope as usize];
+            nodes.push(NodeDump {
+                engine: node.engine.0,
+                parent: (node.parent != NIL).then(|| self.nodes[node.parent as usize].engine.0),
+                key: node.key.0,
+                scope: scope.id.0,
+                seed: scope.seed,
+                tiers: node.tiers.0,
+            });
+            let mut c = node.first_child;
+            while c != NIL {
+                stack.push(c);
+                c = self.nodes[c as usize].next_sibling;
+            }
+        }
+        Some(WorkerDump {
+            worker,
+            tenant: w.tenant.clone(),
+            model: w.model.clone(),
+            block_size: w.block_size,
+            nodes,
+        })
     }
 
     /// Rebuilds an index from [`Index::export`]'s output. Nodes whose parent is missing are

@@ -287,11 +287,14 @@ pub(crate) async fn save_state(shared: &AppState, dir: &std::path::Path) {
     }
     // Read before the export: the snapshot holds at least the stream up to it.
     let cursor = shared.bus.as_ref().map(|b| b.applied());
-    // Export under the read lock, serialize and write outside it.
-    let state = shared.read().export();
+    // The registrations now; each worker's blocks under a read lock of their own while the
+    // file is written, so neither a copy of the whole index nor one long hold of the lock.
+    let head = shared.read().export_head();
     let dir = dir.to_owned();
     let cursor_dir = dir.clone();
-    match tokio::task::spawn_blocking(move || state::save(&dir, &state)).await {
+    let from = shared.clone();
+    let saved = move || state::save_streamed(&dir, &head, |w| from.read().export_blocks(w));
+    match tokio::task::spawn_blocking(saved).await {
         Ok(Ok(bytes)) => {
             tracing::debug!(bytes, "state saved");
             if let Some(seq) = cursor.filter(|&s| s > 0) {

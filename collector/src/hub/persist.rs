@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 
 use kvroute::api::RegisterRequest;
 use kvroute::event::WorkerId;
-use kvroute::index::{Index, IndexDump};
+use kvroute::index::{Index, IndexDump, WorkerDump};
 use kvroute::scope::ModelKey;
 use serde::{Deserialize, Serialize};
 
@@ -53,6 +53,14 @@ pub struct SavedAlias {
 impl Hub {
     /// The state to persist.
     pub fn export(&self) -> StateFile {
+        let mut state = self.export_head();
+        state.index = self.index.export();
+        state
+    }
+
+    /// The state to persist without the index's blocks (`index.workers` empty): the
+    /// registrations, whose blocks [`Hub::export_blocks`] then gives one worker at a time.
+    pub fn export_head(&self) -> StateFile {
         StateFile {
             version: STATE_VERSION,
             workers: self
@@ -76,8 +84,20 @@ impl Hub {
                     owner: a.owner.map(|o| o.0),
                 })
                 .collect(),
-            index: self.index.export(),
+            index: IndexDump {
+                version: 1,
+                workers: Vec::new(),
+            },
         }
+    }
+
+    /// The blocks of the worker `saved` names, if they still go with that registration (the
+    /// worker may have left, or its id gone to another, since the head was taken: such blocks
+    /// would make the file refused as a whole).
+    pub fn export_blocks(&self, saved: &SavedWorker) -> Option<WorkerDump> {
+        self.index
+            .export_worker(saved.id)
+            .filter(|d| dump_matches(&saved.reg, d))
     }
 
     /// Loads a persisted state into this (empty) hub. Returns the registered workers with the
@@ -145,11 +165,7 @@ impl Hub {
             let Some((reg, _, _)) = regs.get(&d.worker) else {
                 return Err(bad(format!("index blocks of unknown worker {}", d.worker)));
             };
-            if !dumped.insert(d.worker)
-                || reg.tenant_id.as_deref() != Some(d.tenant.as_str())
-                || reg.model_name != d.model
-                || reg.block_size != d.block_size
-            {
+            if !dumped.insert(d.worker) || !dump_matches(reg, d) {
                 return Err(bad(format!(
                     "index blocks of worker {} do not match its registration",
                     d.worker
@@ -236,4 +252,11 @@ impl Hub {
         }
         Ok(out)
     }
+}
+
+/// Whether a worker's index blocks belong to its registration.
+fn dump_matches(reg: &RegisterRequest, d: &WorkerDump) -> bool {
+    reg.tenant_id.as_deref() == Some(d.tenant.as_str())
+        && reg.model_name == d.model
+        && reg.block_size == d.block_size
 }
