@@ -22,6 +22,8 @@
 
 use std::time::Duration;
 
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
 use serde::Deserialize;
 
 use super::discovery::{self, Lookup, MAX_RECORD};
@@ -143,49 +145,14 @@ impl Etcd {
     }
 }
 
-const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
 /// Standard base64 with padding (etcd's JSON gateway's `bytes`).
 pub fn base64_encode(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for c in bytes.chunks(3) {
-        let n = (u32::from(c[0]) << 16)
-            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
-            | u32::from(*c.get(2).unwrap_or(&0));
-        for i in 0..4 {
-            if i <= c.len() {
-                out.push(char::from(ALPHABET[(n >> (18 - 6 * i)) as usize & 63]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+    BASE64.encode(bytes)
 }
 
 /// The bytes of standard padded base64; `None` when `text` is not that.
 pub fn base64_decode(text: &str) -> Option<Vec<u8>> {
-    let t = text.as_bytes();
-    if !t.len().is_multiple_of(4) {
-        return None;
-    }
-    let mut out = Vec::with_capacity(t.len() / 4 * 3);
-    for (i, c) in t.chunks(4).enumerate() {
-        let last = i + 1 == t.len() / 4;
-        let pad = c.iter().rev().take_while(|&&b| b == b'=').count();
-        if pad > 2 || (pad > 0 && !last) {
-            return None;
-        }
-        let mut n = 0u32;
-        for &b in &c[..4 - pad] {
-            let v = ALPHABET.iter().position(|&a| a == b)?;
-            n = (n << 6) | v as u32;
-        }
-        n <<= 6 * pad as u32;
-        let bytes = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
-        out.extend_from_slice(&bytes[..3 - pad]);
-    }
-    Some(out)
+    BASE64.decode(text).ok()
 }
 
 #[cfg(test)]
@@ -297,7 +264,7 @@ mod tests {
     }
 
     #[test]
-    fn base64_round_trips_and_refuses_what_is_not_base64() {
+    fn keys_and_values_are_etcds_base64() {
         let value = captured("record", "value");
         let answer: serde_json::Value =
             serde_json::from_str(&captured("record", "answer")).unwrap();
@@ -305,21 +272,27 @@ mod tests {
             base64_encode(value.as_bytes()),
             answer["kvs"][0]["value"].as_str().unwrap()
         );
-        for n in 0..10 {
-            let b: Vec<u8> = (0..n).map(|i| (i * 97 + 200) as u8).collect();
-            assert_eq!(base64_decode(&base64_encode(&b)), Some(b));
-        }
-        assert_eq!(base64_encode(b"f"), "Zg==");
-        assert_eq!(base64_encode(b"fo"), "Zm8=");
-        for bad in ["Zg=", "Z===", "Zg==Zg==", "Zm9v!", "Zm9"] {
+        // Unpadded, over-padded, concatenated, outside the alphabet, cut.
+        for bad in ["Zg", "Zg=", "Z===", "Zg==Zg==", "Zm9v!", "Zm9", "Zm9v-_"] {
             assert_eq!(base64_decode(bad), None, "{bad}");
         }
+    }
+
+    /// How [`server`] frames its answer's body.
+    #[derive(Clone, Copy)]
+    enum Framing {
+        ContentLength,
+        /// `transfer-encoding: chunked` in 4 KiB chunks: no length known before the body.
+        Chunked,
+        /// This content-length, then the body as given, then the connection held open.
+        Declared(usize),
     }
 
     /// A one-shot HTTP server answering `status` and `body`; returns its URL and the request.
     async fn server(
         status: &'static str,
         body: Vec<u8>,
+        framing: Framing,
     ) -> (String, tokio::sync::oneshot::Receiver<String>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -349,63 +322,83 @@ mod tests {
                     }
                 }
             }
+            let length = match framing {
+                Framing::ContentLength => format!("content-length: {}", body.len()),
+                Framing::Declared(n) => format!("content-length: {n}"),
+                Framing::Chunked => "transfer-encoding: chunked".to_owned(),
+            };
             let head = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                body.len()
+                "HTTP/1.1 {status}\r\ncontent-type: application/json\r\n{length}\r\nconnection: close\r\n\r\n"
             );
             let _ = s.write_all(head.as_bytes()).await;
-            let _ = s.write_all(&body).await;
+            match framing {
+                Framing::ContentLength => {
+                    let _ = s.write_all(&body).await;
+                }
+                Framing::Declared(_) => {
+                    let _ = s.write_all(&body).await;
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                }
+                Framing::Chunked => {
+                    for c in body.chunks(4096) {
+                        let _ = s.write_all(format!("{:x}\r\n", c.len()).as_bytes()).await;
+                        let _ = s.write_all(c).await;
+                        let _ = s.write_all(b"\r\n").await;
+                    }
+                    let _ = s.write_all(b"0\r\n\r\n").await;
+                }
+            }
         });
         (url, rx)
     }
 
     #[tokio::test]
     async fn lookups_post_the_range_request_and_are_bounded() {
+        use Framing::{Chunked, ContentLength};
         let q = endpoint();
         let t = Duration::from_secs(5);
+        let q = &q;
+        let lookup =
+            |url: String, t: Duration| async move { Etcd::new(&url, t).unwrap().lookup(q).await };
         let answer = captured("record", "answer").into_bytes();
-        let (url, req) = server("200 OK", answer.clone()).await;
-        assert!(matches!(
-            Etcd::new(&url, t).unwrap().lookup(&q).await,
-            Lookup::Tcp { .. }
-        ));
+        let (url, req) = server("200 OK", answer.clone(), ContentLength).await;
+        assert!(matches!(lookup(url, t).await, Lookup::Tcp { .. }));
         let req = req.await.unwrap();
         assert!(req.starts_with("POST /v3/kv/range HTTP/1.1\r\n"), "{req}");
         assert!(req.ends_with(&captured("record", "request").replace(": ", ":")));
-        let (url, _) = server("200 OK", captured("missing", "answer").into_bytes()).await;
-        assert_eq!(
-            Etcd::new(&url, t).unwrap().lookup(&q).await,
-            Lookup::Missing
-        );
-        // An error status, an answer over the limit, no etcd, too slow an etcd.
-        let (url, _) = server("404 Not Found", answer.clone()).await;
-        assert_eq!(
-            Etcd::new(&url, t).unwrap().lookup(&q).await,
-            Lookup::Malformed
-        );
-        let mut big = answer.clone();
-        big.resize(MAX_ANSWER + 1, b' ');
-        let (url, _) = server("200 OK", big).await;
-        assert_eq!(
-            Etcd::new(&url, t).unwrap().lookup(&q).await,
-            Lookup::Malformed
-        );
+        let missing = captured("missing", "answer").into_bytes();
+        let (url, _) = server("200 OK", missing, ContentLength).await;
+        assert_eq!(lookup(url, t).await, Lookup::Missing);
+        // An error status.
+        let (url, _) = server("404 Not Found", answer.clone(), ContentLength).await;
+        assert_eq!(lookup(url, t).await, Lookup::Malformed);
+        // Up to the limit an answer is read whole, whichever way it is framed; one byte more
+        // is refused: by its content-length before the body, or, chunked, as it arrives.
+        for framing in [ContentLength, Chunked] {
+            let mut at_limit = answer.clone();
+            at_limit.resize(MAX_ANSWER, b' ');
+            let (url, _) = server("200 OK", at_limit.clone(), framing).await;
+            assert!(matches!(lookup(url, t).await, Lookup::Tcp { .. }));
+            at_limit.push(b' ');
+            let (url, _) = server("200 OK", at_limit, framing).await;
+            assert_eq!(lookup(url, t).await, Lookup::Malformed);
+        }
+        // Too large an answer announced: refused at once, not read until the budget ends.
+        let (url, _) = server("200 OK", Vec::new(), Framing::Declared(MAX_ANSWER + 1)).await;
+        let started = std::time::Instant::now();
+        assert_eq!(lookup(url, t).await, Lookup::Malformed);
+        assert!(started.elapsed() < t / 2, "{:?}", started.elapsed());
+        // No etcd.
         let dead = {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             format!("http://{}", l.local_addr().unwrap())
         };
-        assert_eq!(
-            Etcd::new(&dead, t).unwrap().lookup(&q).await,
-            Lookup::Malformed
-        );
+        assert_eq!(lookup(dead, t).await, Lookup::Malformed);
+        // An etcd that accepts and never answers: the lookup's own budget ends it.
         let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", silent.local_addr().unwrap());
-        let started = std::time::Instant::now();
         let short = Duration::from_millis(200);
-        assert_eq!(
-            Etcd::new(&url, short).unwrap().lookup(&q).await,
-            Lookup::Malformed
-        );
-        assert!(started.elapsed() < Duration::from_secs(2));
+        let bounded = tokio::time::timeout(Duration::from_secs(2), lookup(url, short)).await;
+        assert_eq!(bounded, Ok(Lookup::Malformed));
     }
 }
