@@ -53,7 +53,8 @@ DECIDED = ("routed", "routed_cold")
 INGESTS, INDEXES, ENGINES, GATEWAYS = 2, 3, 16, 2
 # The short run's bound on the reach lost after collector kills (see the README's figures).
 SHORT_REACH_MARGIN = 0.15
-# Every collector's feed log (default 1,000,000 entries). The log is bounded and fills at
+# Every index collector's and the oracle's feed log (default 1,000,000 entries; ingest
+# processes keep theirs at 10,000 unless told). The log is bounded and fills at
 # ~40,000 entries a minute at speed 0.8 (5 Dec: a replica 180 s after its restart held
 # 117,164): at the default it would still be filling when a collector the chaos restarts is
 # killed again, and its RSS growth would measure the filling, not a leak. Sized as an
@@ -143,8 +144,9 @@ class Fleet:
 
         def add(name: str, role: str, extra: list[str]) -> None:
             port = K.free_port()
-            argv = [str(bin_), "--listen", f"127.0.0.1:{port}",
-                    "--feed-log-entries", str(FEED_LOG_ENTRIES), *extra]
+            # Ingest processes keep their own short default (no gateway reads their feed).
+            log = [] if role == "ingest" else ["--feed-log-entries", str(FEED_LOG_ENTRIES)]
+            argv = [str(bin_), "--listen", f"127.0.0.1:{port}", *log, *extra]
             self.collectors.append(Collector(name, role, port, argv, workdir / f"{name}.log"))
 
         add("oracle", "oracle", [a for e in self.engines

@@ -497,7 +497,8 @@ impl Cli {
             self.max_blocks_per_worker.or(file.max_blocks_per_worker),
             d.max_blocks_per_worker,
         )?;
-        Ok(Config {
+        let feed_log_given = self.feed_log_entries.or(file.feed_log_entries).is_some();
+        let mut config = Config {
             listen,
             admin_token,
             read_token,
@@ -719,9 +720,24 @@ impl Cli {
                     flag: e.flag,
                     msg: e.msg,
                 })?,
-        })
+        };
+        // An ingest process reads only its share of the engines: its feed is partial and no
+        // gateway reads it (they read index replicas), so the log a gateway would need is
+        // memory for nothing (~50 MB at the full default, and still filling minutes after a
+        // restart).
+        let ingest_only = config
+            .nats
+            .as_ref()
+            .is_some_and(|n| n.role == crate::bus::settings::Role::Ingest);
+        if ingest_only && !feed_log_given {
+            config.feed_log_entries = INGEST_FEED_LOG_ENTRIES;
+        }
+        Ok(config)
     }
 }
+
+/// The feed log of a `--nats-role ingest` process unless set ([`Config::feed_log_entries`]).
+pub const INGEST_FEED_LOG_ENTRIES: usize = 10_000;
 
 /// Parses `--tokenizer MODEL=DIR` specs: a model at most once, at most `max` of them.
 ///
@@ -892,6 +908,30 @@ mod tests {
         let cli =
             Cli::try_parse_from(["kvroute-collector", "--config", path.to_str().unwrap()]).unwrap();
         assert!(matches!(cli.into_config(), Err(ConfigError::File { .. })));
+    }
+
+    #[test]
+    fn an_ingest_process_keeps_a_short_feed_log_unless_told() {
+        let entries = |args: &[&str]| {
+            let mut all = vec!["kvroute-collector"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(all)
+                .unwrap()
+                .into_config()
+                .unwrap()
+                .feed_log_entries
+        };
+        let nats = ["--nats", "nats://127.0.0.1:4222", "--nats-role"];
+        let full = Config::default().feed_log_entries;
+        assert_eq!(entries(&[]), full);
+        assert_eq!(entries(&[&nats[..], &["index"]].concat()), full);
+        assert_eq!(entries(&[&nats[..], &["both"]].concat()), full);
+        assert_eq!(
+            entries(&[&nats[..], &["ingest"]].concat()),
+            INGEST_FEED_LOG_ENTRIES
+        );
+        let told = ["--feed-log-entries", "200000"];
+        assert_eq!(entries(&[&nats[..], &["ingest"], &told].concat()), 200_000);
     }
 
     #[test]
