@@ -78,6 +78,14 @@ pub fn release_prefill(vm: &VmRef, cfg: &Config, b: &mut Booked) {
     counted(vm, books(vm, cfg).release_prefill(b, host::now_ms()));
 }
 
+/// First response bytes that are also the last: both releases in one write.
+pub fn release_whole(vm: &VmRef, cfg: &Config, b: Booked) {
+    if cfg!(feature = "bench-unbooked") {
+        return;
+    }
+    counted(vm, books(vm, cfg).release_whole(b, host::now_ms()));
+}
+
 /// The end of the request.
 pub fn release(vm: &VmRef, cfg: &Config, b: Booked) {
     if cfg!(feature = "bench-unbooked") {

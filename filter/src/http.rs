@@ -132,8 +132,10 @@ pub(crate) struct Http {
     salt: Res<String>,
     outcome: Option<Outcome>,
     /// Load taken at routing: prefill released at the first response bytes, the rest in
-    /// `on_log`.
+    /// `on_log` (both at once when the first bytes end the response).
     routed: Option<Booked>,
+    /// The booking was released (its request's timings are complete).
+    released: bool,
     /// The decision saw no prefill ahead on the chosen engine (a rate sample when booked).
     engine_idle: bool,
     /// The body's `max_completion_tokens` / `max_tokens`, when it has one.
@@ -186,6 +188,7 @@ impl Http {
             salt: Res::Done(None),
             outcome: None,
             routed: None,
+            released: false,
             engine_idle: false,
             decode_budget: None,
             callout: None,
@@ -615,12 +618,21 @@ impl HttpContext for Http {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
-        // The first response bytes mean the prefill is done (the first token is out).
+    fn on_http_response_body(&mut self, _body_size: usize, end_of_stream: bool) -> Action {
+        // The first response bytes mean the prefill is done (the first token is out). A
+        // response whose first bytes are also its last (not streamed) is released whole
+        // here: one write of the load table instead of two.
         if let Some((vm, cfg)) = self.config() {
-            if let Some(b) = self.routed.as_mut().filter(|b| b.prefill_open) {
+            if self.routed.is_some_and(|b| b.prefill_open) {
                 vm.timing.restart(&mut self.clock);
-                books::release_prefill(&vm, &cfg, b);
+                if end_of_stream {
+                    if let Some(b) = self.routed.take() {
+                        books::release_whole(&vm, &cfg, b);
+                        self.released = true;
+                    }
+                } else if let Some(b) = self.routed.as_mut() {
+                    books::release_prefill(&vm, &cfg, b);
+                }
                 vm.timing.lap(&mut self.clock, Timed::Release);
             }
         }
@@ -628,10 +640,16 @@ impl HttpContext for Http {
     }
 
     fn on_log(&mut self) {
-        if let (Some(b), Some((vm, cfg))) = (self.routed.take(), self.config()) {
+        let Some((vm, cfg)) = self.config() else {
+            return;
+        };
+        if let Some(b) = self.routed.take() {
             vm.timing.restart(&mut self.clock);
             books::release(&vm, &cfg, b);
             vm.timing.lap(&mut self.clock, Timed::Release);
+            self.released = true;
+        }
+        if self.released {
             vm.timing.flush(&mut self.clock);
         }
     }

@@ -395,6 +395,55 @@ fn decode_budget_comes_from_the_body_and_prefill_is_released_once() {
     assert_eq!(booked(&gw, 1), kvroute::mirror::Load::default());
 }
 
+/// Shared-data writes (any key) while `f` runs: the host's CAS tokens count every write.
+fn writes_during(
+    gw: &mut kvroute_host_test::Gateway,
+    f: impl FnOnce(&mut kvroute_host_test::Gateway),
+) -> u32 {
+    gw.set_shared_data("test.probe", "1");
+    let before = gw.shared_data("test.probe").unwrap().1;
+    f(gw);
+    gw.set_shared_data("test.probe", "2");
+    gw.shared_data("test.probe").unwrap().1 - before - 1
+}
+
+#[test]
+fn a_response_that_arrives_whole_is_released_in_one_write() {
+    let (mut gw, prompt) = longest_prefix_setup(json!({}));
+    let start = |gw: &mut kvroute_host_test::Gateway, tail: u32| {
+        // Two blocks past what a holds (new each time): prefill to release.
+        let mut prompt = prompt.clone();
+        prompt.extend(tokens(tail, 32));
+        let r = gw
+            .request()
+            .json_body(&json!({"model": "m", "prompt": prompt, "max_tokens": 50}))
+            .hold_response()
+            .start();
+        assert_eq!(best(&gw.outcome(r)), Some(A));
+        let l = booked(gw, 0);
+        assert_eq!((l.requests, l.prefill_tokens), (1, 32));
+        r
+    };
+    // Not streamed: the first body bytes end the response.
+    let r = start(&mut gw, 9000);
+    let n = writes_during(&mut gw, |gw| {
+        gw.respond(r, kvroute_host_test::Response::ok("tokens"));
+    });
+    assert_eq!(n, 1);
+    assert_eq!(booked(&gw, 0), kvroute::mirror::Load::default());
+    // Trailers after the body (as a stream ends): the prefill at the first bytes, the rest
+    // at the end.
+    let r = start(&mut gw, 9100);
+    let n = writes_during(&mut gw, |gw| {
+        gw.respond(
+            r,
+            kvroute_host_test::Response::ok("tokens").trailer("grpc-status", "0"),
+        );
+    });
+    assert_eq!(n, 2);
+    assert_eq!(booked(&gw, 0), kvroute::mirror::Load::default());
+}
+
 #[test]
 fn matched_token_ratio_and_reads_are_reported() {
     let (mut gw, prompt) = longest_prefix_setup(json!({}));

@@ -1,6 +1,7 @@
 //! The books of routed requests: one request's load booked on the decided worker (or
 //! instance), released in two steps — its prefill at the first response bytes (which also
-//! measures the engine's prefill rate when it found the engine idle), the rest at the end.
+//! measures the engine's prefill rate when it found the engine idle), the rest at the end;
+//! one step when the response arrives whole.
 
 use super::picture::Picture;
 use crate::mirror::{self, Keys, LoadDelta, LoadId, RateNote, Store, StoreError};
@@ -118,25 +119,46 @@ impl<S: Store> Books<'_, S> {
         if b.prefill == 0 {
             return Ok(());
         }
-        // Learned only from requests that found the engine idle (see `mirror::rate_sample`).
-        let sample = match self.prefill_rate {
-            None if b.idle => mirror::rate_sample(b.prefill, now.saturating_sub(b.at_ms)),
-            _ => None,
-        };
         let delta = LoadDelta {
             prefill_tokens: -i64::from(b.prefill),
-            rate: sample.map_or(RateNote::Keep, RateNote::Sample),
+            rate: self.rate_note(b, now),
             ..LoadDelta::default()
         };
         self.apply(b.id, delta, now, None)
     }
 
-    /// The end of the request at `now`: everything still booked.
+    /// What the first response bytes at `now` teach of the engine's prefill rate: learned
+    /// only from requests that found the engine idle (see `mirror::rate_sample`).
+    fn rate_note(&self, b: &Booked, now: u64) -> RateNote {
+        let sample = match self.prefill_rate {
+            None if b.idle && b.prefill > 0 => {
+                mirror::rate_sample(b.prefill, now.saturating_sub(b.at_ms))
+            }
+            _ => None,
+        };
+        sample.map_or(RateNote::Keep, RateNote::Sample)
+    }
+
+    /// The first response bytes and the end of the request at the same `now` (a response
+    /// that arrives whole): [`Books::release_prefill`] then [`Books::release`] in one write.
     ///
     /// # Errors
     /// The write failed (the entry's time-to-live repairs it).
-    pub fn release(&self, b: Booked, now: u64) -> Result<(), BookError> {
+    pub fn release_whole(&self, b: Booked, now: u64) -> Result<(), BookError> {
+        let rate = if b.prefill_open {
+            self.rate_note(&b, now)
+        } else {
+            RateNote::Keep
+        };
         let delta = LoadDelta {
+            rate,
+            ..Self::release_delta(&b)
+        };
+        self.apply(b.id, delta, now, None)
+    }
+
+    fn release_delta(b: &Booked) -> LoadDelta {
+        LoadDelta {
             requests: -1,
             prefill_tokens: if b.prefill_open {
                 -i64::from(b.prefill)
@@ -145,7 +167,14 @@ impl<S: Store> Books<'_, S> {
             },
             decode_tokens: -i64::from(b.decode),
             rate: RateNote::Keep,
-        };
-        self.apply(b.id, delta, now, None)
+        }
+    }
+
+    /// The end of the request at `now`: everything still booked.
+    ///
+    /// # Errors
+    /// The write failed (the entry's time-to-live repairs it).
+    pub fn release(&self, b: Booked, now: u64) -> Result<(), BookError> {
+        self.apply(b.id, Self::release_delta(&b), now, None)
     }
 }

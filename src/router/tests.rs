@@ -135,6 +135,41 @@ fn booked_load_steers_the_next_cold_requests_and_releases_return_it() {
 }
 
 #[test]
+fn a_response_released_whole_leaves_the_books_as_the_two_steps_do() {
+    // The same bookings released at the same times, one fleet in two steps, the other
+    // whole: the load tables (every count and the learned prefill rate) are byte for byte
+    // the same, and the whole release writes once.
+    use crate::mirror::Store as _;
+    let table = |f: &Fleet| f.store.get(&f.keys.load()).unwrap().0.unwrap();
+    for (idle, prefill_open) in [(true, true), (false, true), (true, false)] {
+        let (two, one) = (Fleet::new(2, false), Fleet::new(2, false));
+        let mut booked = Vec::new();
+        for f in [&two, &one] {
+            let (_, mut b) = f.route_and_book(&[], 0);
+            b.idle = idle;
+            if !prefill_open {
+                f.books().release_prefill(&mut b, 40).unwrap();
+            }
+            booked.push(b);
+        }
+        let mut b = booked[0];
+        two.books().release_prefill(&mut b, 250).unwrap();
+        two.books().release(b, 250).unwrap();
+        let (_, cas) = one.store.get(&one.keys.load()).unwrap();
+        one.books().release_whole(booked[1], 250).unwrap();
+        assert_eq!(
+            table(&one),
+            table(&two),
+            "idle {idle}, prefill open {prefill_open}"
+        );
+        let (_, after) = one.store.get(&one.keys.load()).unwrap();
+        assert_eq!(after, cas + 1, "one write");
+        let p = Picture::read(&one.store, &one.keys, PC, 251);
+        assert_eq!(p.load(booked[1].id), InstanceLoad::default());
+    }
+}
+
+#[test]
 fn an_engine_kept_busy_by_hits_gets_no_cold_request() {
     // The e2e case: long requests on a prefix cached on e0 keep it busy; short cold prompts
     // must go elsewhere, whatever the tie band.
