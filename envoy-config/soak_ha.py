@@ -60,6 +60,16 @@ SHORT_REACH_MARGIN = 0.15
 # killed again, and its RSS growth would measure the filling, not a leak. Sized as an
 # operator would for this fleet, it is full about 5 minutes after a start.
 FEED_LOG_ENTRIES = 200_000
+# Each engine's KV cache, in blocks (160,000 tokens: a 70B model's share of one H100). The
+# RSS target asks whether memory stays flat once the fleet is in its steady state, caches
+# full and evicting, so the fleet must reach it within the first half. An engine stores
+# ~54 new blocks a second here (6 Dec: 1.09 M uncached blocks in 1,259 s over 16 engines),
+# so it fills in about 3 minutes, and again after each restart. At the simulator's default
+# (25,000 blocks: 8 minutes) the restarts every 90 s kept the fleet below its capacity all
+# run; its block count still set new highs in the last half, and one of them (6 Dec 20:22)
+# doubled the index's hash table in the oracle and index-0 within the same 30 s (+9 MB,
+# +17 %).
+ENGINE_CACHE_BLOCKS = 10_000
 
 
 def log(*a: object) -> None:
@@ -984,9 +994,8 @@ def main() -> int:
                    __import__("tempfile").mkdtemp(prefix="kvroute-soak-ha-"))
     log(f"seed {seed}, chaos {chaos_s:.0f}s after {warmup:.0f}s warm-up, speed {speed}, "
         f"work dir {workdir}")
-    # Engines: the default cost model and cache (25,000 blocks: evictions from the first
-    # minutes on), at real time.
-    fleet = Fleet(workdir, [])
+    # Engines: the default cost model at real time, each with a cache of ENGINE_CACHE_BLOCKS.
+    fleet = Fleet(workdir, ["--capacity-blocks", str(ENGINE_CACHE_BLOCKS)])
     trace = Trace(K.demo_trace_path(), max_prompt)
     t_wall = time.time()
     started = time.monotonic()
