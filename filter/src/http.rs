@@ -136,6 +136,8 @@ pub(crate) struct Http {
     routed: Option<Booked>,
     /// The booking was released (its request's timings are complete).
     released: bool,
+    /// The routed response's content-length, when it has one.
+    response_length: Option<u64>,
     /// The decision saw no prefill ahead on the chosen engine (a rate sample when booked).
     engine_idle: bool,
     /// The body's `max_completion_tokens` / `max_tokens`, when it has one.
@@ -189,6 +191,7 @@ impl Http {
             outcome: None,
             routed: None,
             released: false,
+            response_length: None,
             engine_idle: false,
             decode_budget: None,
             callout: None,
@@ -597,6 +600,12 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if self.routed.is_some() {
+            // Envoy's HTTP/1 codec ends a response with an empty last chunk, so a body that
+            // arrives whole is known whole only by its length.
+            self.response_length = host::get_header(MapType::HttpResponseHeaders, "content-length")
+                .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse().ok());
+        }
         if let Some((_, cfg)) = self.config() {
             if let Some(name) = &cfg.debug_header {
                 let outcome = self.outcome.map_or("none", Outcome::as_str);
@@ -618,14 +627,17 @@ impl HttpContext for Http {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, _body_size: usize, end_of_stream: bool) -> Action {
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         // The first response bytes mean the prefill is done (the first token is out). A
-        // response whose first bytes are also its last (not streamed) is released whole
-        // here: one write of the load table instead of two.
+        // response whose first bytes are also its last (not streamed: the stream ends, or
+        // its content-length has arrived) is released whole here: one write of the load
+        // table instead of two.
         if let Some((vm, cfg)) = self.config() {
             if self.routed.is_some_and(|b| b.prefill_open) {
                 vm.timing.restart(&mut self.clock);
-                if end_of_stream {
+                let whole =
+                    end_of_stream || self.response_length.is_some_and(|n| body_size as u64 >= n);
+                if whole {
                     if let Some(b) = self.routed.take() {
                         books::release_whole(&vm, &cfg, b);
                         self.released = true;

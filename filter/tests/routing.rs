@@ -442,6 +442,27 @@ fn a_response_that_arrives_whole_is_released_in_one_write() {
     });
     assert_eq!(n, 2);
     assert_eq!(booked(&gw, 0), kvroute::mirror::Load::default());
+    // Envoy's HTTP/1 codec: the body, then an empty last chunk. Its content-length says the
+    // first bytes were all of it.
+    let r = start(&mut gw, 9200);
+    let n = writes_during(&mut gw, |gw| {
+        let resp = kvroute_host_test::Response::ok("tokens")
+            .header("content-length", "6")
+            .trailer("x-end", "1");
+        gw.respond(r, resp);
+    });
+    assert_eq!(n, 1);
+    assert_eq!(booked(&gw, 0), kvroute::mirror::Load::default());
+    // A longer content-length: more is coming, two steps.
+    let r = start(&mut gw, 9300);
+    let n = writes_during(&mut gw, |gw| {
+        let resp = kvroute_host_test::Response::ok("tokens")
+            .header("content-length", "7")
+            .trailer("x-end", "1");
+        gw.respond(r, resp);
+    });
+    assert_eq!(n, 2);
+    assert_eq!(booked(&gw, 0), kvroute::mirror::Load::default());
 }
 
 #[test]
