@@ -633,17 +633,17 @@ impl HttpContext for Http {
         // its content-length has arrived) is released whole here: one write of the load
         // table instead of two.
         if let Some((vm, cfg)) = self.config() {
-            if self.routed.is_some_and(|b| b.prefill_open) {
+            if let Some(mut b) = self.routed.filter(|b| b.prefill_open) {
                 vm.timing.restart(&mut self.clock);
                 let whole =
                     end_of_stream || self.response_length.is_some_and(|n| body_size as u64 >= n);
                 if whole {
-                    if let Some(b) = self.routed.take() {
-                        books::release_whole(&vm, &cfg, b);
-                        self.released = true;
-                    }
-                } else if let Some(b) = self.routed.as_mut() {
-                    books::release_prefill(&vm, &cfg, b);
+                    books::release_whole(&vm, &cfg, b);
+                    self.routed = None;
+                    self.released = true;
+                } else {
+                    books::release_prefill(&vm, &cfg, &mut b);
+                    self.routed = Some(b);
                 }
                 vm.timing.lap(&mut self.clock, Timed::Release);
             }

@@ -424,45 +424,27 @@ fn a_response_that_arrives_whole_is_released_in_one_write() {
         assert_eq!((l.requests, l.prefill_tokens), (1, 32));
         r
     };
-    // Not streamed: the first body bytes end the response.
-    let r = start(&mut gw, 9000);
-    let n = writes_during(&mut gw, |gw| {
-        gw.respond(r, kvroute_host_test::Response::ok("tokens"));
-    });
-    assert_eq!(n, 1);
-    assert_eq!(booked(&gw, 0), kvroute::mirror::Load::default());
-    // Trailers after the body (as a stream ends): the prefill at the first bytes, the rest
-    // at the end.
-    let r = start(&mut gw, 9100);
-    let n = writes_during(&mut gw, |gw| {
-        gw.respond(
-            r,
-            kvroute_host_test::Response::ok("tokens").trailer("grpc-status", "0"),
-        );
-    });
-    assert_eq!(n, 2);
-    assert_eq!(booked(&gw, 0), kvroute::mirror::Load::default());
-    // Envoy's HTTP/1 codec: the body, then an empty last chunk. Its content-length says the
-    // first bytes were all of it.
-    let r = start(&mut gw, 9200);
-    let n = writes_during(&mut gw, |gw| {
-        let resp = kvroute_host_test::Response::ok("tokens")
-            .header("content-length", "6")
-            .trailer("x-end", "1");
-        gw.respond(r, resp);
-    });
-    assert_eq!(n, 1);
-    assert_eq!(booked(&gw, 0), kvroute::mirror::Load::default());
-    // A longer content-length: more is coming, two steps.
-    let r = start(&mut gw, 9300);
-    let n = writes_during(&mut gw, |gw| {
-        let resp = kvroute_host_test::Response::ok("tokens")
-            .header("content-length", "7")
-            .trailer("x-end", "1");
-        gw.respond(r, resp);
-    });
-    assert_eq!(n, 2);
-    assert_eq!(booked(&gw, 0), kvroute::mirror::Load::default());
+    let ok = || kvroute_host_test::Response::ok("tokens");
+    let cases = [
+        // Not streamed: the first body bytes end the response.
+        (ok(), 1),
+        // Trailers after the body (as a stream ends): the prefill at the first bytes, the
+        // rest at the end.
+        (ok().trailer("grpc-status", "0"), 2),
+        // Envoy's HTTP/1 codec: the body, then an empty last chunk. Its content-length says
+        // the first bytes were all of it.
+        (ok().header("content-length", "6").trailer("x-end", "1"), 1),
+        // A longer content-length: more is coming, two steps.
+        (ok().header("content-length", "7").trailer("x-end", "1"), 2),
+    ];
+    for (tail, (resp, writes)) in (9000..).step_by(100).zip(cases) {
+        let r = start(&mut gw, tail);
+        let n = writes_during(&mut gw, |gw| {
+            gw.respond(r, resp);
+        });
+        assert_eq!(n, writes, "tail {tail}");
+        assert_eq!(booked(&gw, 0), kvroute::mirror::Load::default());
+    }
 }
 
 #[test]
