@@ -17,6 +17,15 @@ FIXTURES   := $(foreach f,$(wildcard host-test/fixtures/*/Cargo.toml),-p $(shell
 
 export CARGO_TERM_COLOR ?= never
 
+# The dev-profile collector and simulator the end-to-end, soak and UI tests run (and the JS
+# tests' hash_cli). Alone, a target builds just those. `make test` passes TEST_BINS instead: the
+# `cargo test --no-run` that test-rust has already done, whose binaries are uplifted to the same
+# paths. One feature set for the whole run, so the dependencies are not compiled a second and a
+# third time for `-p` builds with fewer features (about 5 minutes of CI on two cores).
+DEV_BINS  ?= $(CARGO) build -j$(JOBS) -p kvroute-collector -p kvroute-sim
+HASH_CLI  ?= $(CARGO) build -j$(JOBS) -p kvroute --example hash_cli
+TEST_BINS := $(CARGO) test -j$(JOBS) --workspace --no-run
+
 .PHONY: all setup wasm wasm-unbooked native lint layout test test-rust test-e2e bench bench-routing bench-routing-scenarios bench-collector bench-ingest-stall bench-soak bench-latency demo clean js js-tools test-js bench-js
 
 all: wasm native
@@ -56,10 +65,10 @@ test: lint wasm
 	$(CARGO) build -j$(JOBS) -p kvroute --target wasm32-wasip1
 	$(MAKE) check-rules
 	$(MAKE) test-rust
-	$(MAKE) test-e2e
-	$(MAKE) test-soak-ha
-	$(MAKE) test-js
-	$(MAKE) test-ui
+	$(MAKE) test-e2e DEV_BINS="$(TEST_BINS)"
+	$(MAKE) test-soak-ha DEV_BINS="$(TEST_BINS)"
+	$(MAKE) test-js HASH_CLI="$(TEST_BINS)"
+	$(MAKE) test-ui DEV_BINS="$(TEST_BINS)"
 
 ## The Prometheus alerting rules of the collector's alarms, checked by promtool.
 check-rules:
@@ -78,10 +87,10 @@ test-nats:
 	$(CARGO) test -j$(JOBS) -p kvroute-collector --test nats --test dynamo
 .PHONY: test-nats
 
-# The end-to-end tests use the dev-profile binaries that `test-rust` already built (their
-# dependencies are optimized, see Cargo.toml), so CI does not compile the stack twice.
+# The end-to-end tests use dev-profile binaries (their dependencies are optimized, see
+# Cargo.toml); under `make test`, the ones test-rust already built (DEV_BINS above).
 test-e2e: wasm
-	$(CARGO) build -j$(JOBS) -p kvroute-collector -p kvroute-sim
+	$(DEV_BINS)
 	bash envoy-config/install-envoy.sh >/dev/null
 	KVROUTE_PROFILE=debug python3 envoy-config/e2e_test.py
 	KVROUTE_PROFILE=debug python3 envoy-config/e2e_text_test.py
@@ -91,7 +100,7 @@ test-e2e: wasm
 ## make test-dynamo-interop: the Dynamo reader against a real ai-dynamo 1.6.1 worker (its CPU
 ## mocker, installed in $(TARGET_DIR)/dynamo-venv: about a minute the first time, seconds after).
 test-dynamo-interop:
-	$(CARGO) build -j$(JOBS) -p kvroute-collector
+	$(DEV_BINS)
 	bash tools/install-nats-server.sh >/dev/null
 	bash tools/install-etcd.sh >/dev/null
 	KVROUTE_PROFILE=debug python3 collector/tests/dynamo_interop.py
@@ -145,7 +154,7 @@ bench-alarm-soak: wasm
 ## both while a script kills collectors, restarts engines and a gateway and pauses NATS; the
 ## targets a short run measures reliably (envoy-config/soak_ha.py, README "Chaos soak").
 test-soak-ha: wasm
-	$(CARGO) build -j$(JOBS) -p kvroute-collector -p kvroute-sim
+	$(DEV_BINS)
 	bash envoy-config/install-envoy.sh >/dev/null
 	bash tools/install-nats-server.sh >/dev/null
 	KVROUTE_PROFILE=debug python3 envoy-config/soak_ha.py --short
@@ -215,7 +224,7 @@ js: js-tools
 ## make test-js: the build, the Node tests (hash vectors, the native core on random inputs,
 ## intake, the decision), then the committed collector/ui/pkg must be what `make js` wrote.
 test-js: js
-	$(CARGO) build -j$(JOBS) -p kvroute --example hash_cli
+	$(HASH_CLI)
 	KVROUTE_HASH_CLI=$(TARGET_DIR)/debug/examples/hash_cli node --test js/test/
 	git diff --exit-code --stat -- collector/ui/pkg
 	@test -z "$$(git status --porcelain -- collector/ui/pkg)" || { echo "collector/ui/pkg has files git does not know: commit them"; exit 1; }
@@ -245,5 +254,5 @@ setup-browser:
 ## screenshot at bench-out/ui/fleet.png) and dashboards/kvroute.json against the metrics a
 ## collector and an Envoy with the filter really export.
 test-ui: wasm setup-browser
-	$(CARGO) build -j$(JOBS) -p kvroute-collector -p kvroute-sim
+	$(DEV_BINS)
 	KVROUTE_PROFILE=debug KVROUTE_VENV=$(KVROUTE_VENV) $(KVROUTE_VENV)/bin/python envoy-config/ui_test.py
