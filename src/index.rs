@@ -141,6 +141,8 @@ struct Worker {
     model: String,
     block_size: u32,
     by_engine: HashTable<u32>,
+    /// Blocks the index is sized for (its engine's cache size; 0 until known).
+    capacity: usize,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -162,6 +164,8 @@ pub struct Index {
     scope_ids: HashMap<ScopeId, u32>,
     free_scopes: Vec<u32>,
     holds: usize,
+    /// Sum of the workers' `capacity`.
+    capacity: usize,
 }
 
 /// Block keys are uniform hashes, but engines' own hashes need not be (a simulator may number
@@ -203,6 +207,7 @@ impl Index {
                 model: model.to_owned(),
                 block_size,
                 by_engine: HashTable::new(),
+                capacity: 0,
             });
         }
     }
@@ -216,7 +221,9 @@ impl Index {
     pub fn remove_worker(&mut self, worker: WorkerId, changes: &mut Vec<Change>) {
         self.clear_worker(worker, changes);
         if let Some(slot) = self.workers.get_mut(worker.0 as usize) {
-            *slot = None;
+            if let Some(w) = slot.take() {
+                self.capacity -= w.capacity;
+            }
         }
     }
 
@@ -257,6 +264,49 @@ impl Index {
         self.nodes
             .reserve(additional.saturating_sub(self.free.len()));
         self.holders.table.reserve(additional, |e| mix(e.key.0));
+    }
+
+    /// Sizes the index for `worker` holding up to `blocks` blocks (its engine's cache size,
+    /// capped at `max_blocks_per_worker`): the worker's own table now, the arena and the holder
+    /// table for every sized worker together. A table that fills up doubles in one step (a new
+    /// table beside the old while every entry moves), so an index left to grow steps up in
+    /// memory, and stalls a slice of ingest, whenever the fleet's block count sets a new high;
+    /// sized for the fleet, it never rehashes in service. The holder table is sized as if no
+    /// two engines shared a block (its bound), at about 20 bytes a block. Returns whether
+    /// the size changed; unknown workers are not sized.
+    pub fn set_capacity(&mut self, worker: WorkerId, blocks: usize) -> bool {
+        let blocks = blocks.min(self.config.max_blocks_per_worker);
+        let nodes = &self.nodes;
+        let Some(w) = self
+            .workers
+            .get_mut(worker.0 as usize)
+            .and_then(Option::as_mut)
+        else {
+            return false;
+        };
+        if w.capacity == blocks {
+            return false;
+        }
+        self.capacity = self.capacity - w.capacity + blocks;
+        w.capacity = blocks;
+        w.by_engine
+            .reserve(blocks.saturating_sub(w.by_engine.len()), |&n| {
+                mix(nodes[n as usize].engine.0)
+            });
+        // Freed arena slots are reused before the arena grows, so its length only passes the
+        // fleet's capacity if some worker holds more than its engine said.
+        self.nodes
+            .reserve_exact(self.capacity.saturating_sub(self.nodes.len()));
+        self.holders.table.reserve(
+            self.capacity.saturating_sub(self.holders.table.len()),
+            |e| mix(e.key.0),
+        );
+        true
+    }
+
+    /// The size [`Index::set_capacity`] gave `worker` (`None`: unknown worker).
+    pub fn capacity(&self, worker: WorkerId) -> Option<usize> {
+        self.worker(worker).map(|w| w.capacity)
     }
 
     /// Number of blocks a worker holds.
@@ -1003,6 +1053,16 @@ mod tests {
         )
     }
 
+    /// Bytes held by the arena and the two tables (a table's `capacity` also falls as deleted
+    /// slots pile up, though nothing is freed or allocated).
+    fn allocations(index: &Index, w: WorkerId) -> (usize, usize, usize) {
+        (
+            index.nodes.capacity() * std::mem::size_of::<Node>(),
+            index.holders.table.allocation_size(),
+            index.worker(w).map_or(0, |w| w.by_engine.allocation_size()),
+        )
+    }
+
     #[test]
     fn reserved_room_takes_the_blocks_without_growing_any_table() {
         let mut index = Index::new(IndexConfig::default());
@@ -1024,6 +1084,69 @@ mod tests {
         // Nothing to reserve for a worker the index does not know.
         index.reserve(WorkerId(7), 1 << 20);
         assert_eq!(capacities(&index, b), reserved);
+    }
+
+    #[test]
+    fn an_index_sized_for_its_fleet_fills_and_churns_without_growing_a_table() {
+        let mut index = Index::new(IndexConfig {
+            max_blocks_per_worker: 30_000,
+        });
+        let workers = [WorkerId(0), WorkerId(1), WorkerId(2)];
+        for w in workers {
+            index.add_worker(w, "t", "m", 4);
+        }
+        // Left to grow, filling the caches doubles the tables on the way.
+        let mut grown = index.clone();
+        let mut changes = Vec::new();
+        for (i, &w) in workers.iter().enumerate() {
+            grown.apply(w, &chain(1_000_000 * i as u64, 20_000), &mut changes);
+        }
+        assert_ne!(
+            allocations(&grown, WorkerId(2)),
+            allocations(&index, WorkerId(2))
+        );
+
+        for w in workers {
+            assert!(index.set_capacity(w, 20_000));
+        }
+        assert!(
+            !index.set_capacity(WorkerId(1), 20_000),
+            "the same size again"
+        );
+        assert!(
+            !index.set_capacity(WorkerId(9), 20_000),
+            "an unknown worker"
+        );
+        assert_eq!(index.capacity(WorkerId(1)), Some(20_000));
+        let sized: Vec<_> = workers.iter().map(|&w| allocations(&index, w)).collect();
+        let size = std::mem::size_of::<Node>();
+        assert!(
+            sized[0].0 >= 60_000 * size && sized[0].1 >= 60_000 * 16,
+            "{sized:?}"
+        );
+        assert!(sized.iter().all(|c| c.2 >= 20_000 * 4), "{sized:?}");
+        // Full caches of distinct blocks, then churn: an engine restarted empty, refilled.
+        for (i, &w) in workers.iter().enumerate() {
+            for k in 0..4 {
+                let first = 1_000_000 * i as u64 + 5_000 * k;
+                index.apply(w, &chain(first, 5_000), &mut changes);
+            }
+        }
+        index.clear_worker(WorkerId(1), &mut changes);
+        index.apply(WorkerId(1), &chain(7_000_000, 20_000), &mut changes);
+        assert_eq!(index.stats().blocks, 60_000);
+        let after: Vec<_> = workers.iter().map(|&w| allocations(&index, w)).collect();
+        assert_eq!(after, sized);
+
+        // An engine's word is capped by the index's limit; a removed worker gives its room back.
+        assert!(index.set_capacity(WorkerId(0), usize::MAX));
+        assert_eq!(index.capacity(WorkerId(0)), Some(30_000));
+        assert_eq!(index.capacity, 70_000);
+        index.remove_worker(WorkerId(0), &mut changes);
+        assert_eq!(
+            (index.capacity, index.capacity(WorkerId(0))),
+            (40_000, None)
+        );
     }
 
     #[test]

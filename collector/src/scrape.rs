@@ -86,7 +86,7 @@ enum Field {
     /// SGLang's only reuse figure, a 0..=1 gauge.
     CacheHitRate,
     /// vLLM's cache config, an info gauge whose labels matter (`block_size`,
-    /// `enable_prefix_caching`).
+    /// `enable_prefix_caching`, `num_gpu_blocks`).
     CacheConfig,
 }
 
@@ -155,7 +155,7 @@ pub fn parse_page(text: &str) -> Result<Page, ScrapeError> {
         let bad = |what: &str| ScrapeError::Malformed(format!("line {}: {what}", n + 1));
         let mut rest = &line[name_end..];
         let mut rank = 0;
-        let (mut block_size, mut prefix_caching) = (None, None);
+        let (mut block_size, mut prefix_caching, mut cache_blocks) = (None, None, None);
         if rest.starts_with('{') {
             let (labels, after) = split_labels(rest).ok_or_else(|| bad("unterminated labels"))?;
             rest = after;
@@ -170,6 +170,8 @@ pub fn parse_page(text: &str) -> Result<Page, ScrapeError> {
                     }
                     // Only the info gauge's labels; a bad one is no figure, not a bad page.
                     "block_size" => block_size = v.parse::<u32>().ok().filter(|b| *b > 0),
+                    // "None" before vLLM has profiled its memory.
+                    "num_gpu_blocks" => cache_blocks = v.parse::<u64>().ok().filter(|b| *b > 0),
                     "enable_prefix_caching" => {
                         prefix_caching = match v {
                             "True" | "true" | "1" => Some(true),
@@ -212,6 +214,7 @@ pub fn parse_page(text: &str) -> Result<Page, ScrapeError> {
             Field::CacheConfig => {
                 acc.reuse.block_size = block_size.or(acc.reuse.block_size);
                 acc.reuse.prefix_caching = prefix_caching.or(acc.reuse.prefix_caching);
+                acc.reuse.cache_blocks = cache_blocks.or(acc.reuse.cache_blocks);
             }
         }
     }
@@ -450,16 +453,30 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
                         tracing::info!(address = %t.address, "engine metrics answer again; routed to again");
                         mark_down(&state, &t, false);
                     }
-                    // Lock order: fleet, then hub.
-                    let mut fleet = state.fleet();
-                    let hub = state.read();
-                    for (worker, rank) in t.still_registered(&hub) {
-                        if let Some(f) = page.load.get(&rank) {
-                            fleet.set_engine(worker, EngineSample { load: *f, at });
-                        }
-                        if let Some(r) = page.reuse.get(&rank) {
+                    let mut resize = Vec::new();
+                    {
+                        // Lock order: fleet, then hub.
+                        let mut fleet = state.fleet();
+                        let hub = state.read();
+                        let most = hub.index.config().max_blocks_per_worker;
+                        for (worker, rank) in t.still_registered(&hub) {
+                            if let Some(f) = page.load.get(&rank) {
+                                fleet.set_engine(worker, EngineSample { load: *f, at });
+                            }
+                            let Some(r) = page.reuse.get(&rank) else {
+                                continue;
+                            };
                             fleet.truth_mut().note_engine(worker, r, at);
+                            if let Some(blocks) = r.cache_blocks {
+                                let blocks = usize::try_from(blocks).unwrap_or(most).min(most);
+                                if hub.index.capacity(worker).is_some_and(|c| c != blocks) {
+                                    resize.push((worker, blocks));
+                                }
+                            }
                         }
+                    }
+                    if !resize.is_empty() {
+                        size_index(&state, &t, &resize);
                     }
                 }
                 Err(e) => {
@@ -493,6 +510,17 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Sizes the index for the cache sizes an engine's page gave (rare: once per engine, and
+/// again only if its cache changes size), so that the write lock is taken only then.
+fn size_index(state: &AppState, t: &Target, sizes: &[(WorkerId, usize)]) {
+    let mut hub = state.write();
+    for &(worker, blocks) in sizes {
+        if hub.index.set_capacity(worker, blocks) {
+            tracing::info!(address = %t.address, worker = worker.0, blocks, "index sized for the engine's KV cache");
         }
     }
 }
@@ -550,7 +578,8 @@ mod tests {
             vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 1.2e10\n\
             vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 300.0\n\
             vllm:prefix_cache_queries_created{engine=\"0\",model_name=\"m\"} 1.7e9\n\
-            vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"False\",engine=\"0\"} 1.0\n\
+            vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"False\",engine=\"0\",num_gpu_blocks=\"38912\"} 1.0\n\
+            vllm:cache_config_info{block_size=\"16\",engine=\"2\",num_gpu_blocks=\"None\"} 1.0\n\
             sglang:cache_hit_rate{dp_rank=\"1\"} 0.25\n";
         let p = parse_page(page).unwrap();
         let r0 = p.reuse[&0];
@@ -562,6 +591,8 @@ mod tests {
         assert_eq!(r0.hits_tokens, Some(300.0));
         assert_eq!(r0.block_size, Some(16));
         assert_eq!(r0.prefix_caching, Some(false));
+        assert_eq!(r0.cache_blocks, Some(38_912));
+        assert_eq!(p.reuse[&2].cache_blocks, None, "not profiled yet");
         assert_eq!(p.reuse[&1].hit_rate, Some(0.25));
         // Rank 1 has no queue figures: reuse only, no load sample.
         assert_eq!(p.load.len(), 1);

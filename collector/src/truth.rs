@@ -91,6 +91,8 @@ pub struct EngineReuse {
     pub block_size: Option<u32>,
     /// `vllm:cache_config_info{enable_prefix_caching}`.
     pub prefix_caching: Option<bool>,
+    /// `vllm:cache_config_info{num_gpu_blocks}`: the cache's size, which sizes the index.
+    pub cache_blocks: Option<u64>,
 }
 
 impl EngineReuse {

@@ -108,6 +108,18 @@ impl Collector {
         self.post_load_raw(report.to_string()).await
     }
 
+    /// `GET /workers`: the list.
+    pub async fn workers(&self) -> Vec<Value> {
+        let r = self
+            .auth(self.http.get(format!("{}/workers", self.url)))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        let v: Value = r.json().await.unwrap();
+        v["workers"].as_array().cloned().unwrap_or_default()
+    }
+
     /// `GET /v1/load`.
     pub async fn load(&self) -> Value {
         let r = self

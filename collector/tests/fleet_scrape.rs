@@ -45,7 +45,9 @@ vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 256.0\n\
 vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 17.0\n\
 vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.97\n\
 vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"m\"} 0.4\n\
-vllm:prompt_tokens_total{engine=\"0\",model_name=\"m\"} 123456.0\n";
+vllm:prompt_tokens_total{engine=\"0\",model_name=\"m\"} 123456.0\n\
+vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"38912\"} 1.0\n\
+vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"999999999\"} 1.0\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_shows_per_rank_and_a_dead_engine_goes_stale() {
@@ -70,6 +72,8 @@ async fn a_full_queue_shows_per_rank_and_a_dead_engine_goes_stale() {
         "0.05",
         "--engine-stale-secs",
         "0.4",
+        "--max-blocks-per-worker",
+        "100000",
     ])
     .await;
     let r0 = c.register("eng", 0, &addr).await;
@@ -78,6 +82,23 @@ async fn a_full_queue_shows_per_rank_and_a_dead_engine_goes_stale() {
         !worker(v, r0)["engine"].is_null() && !worker(v, r1)["engine"].is_null()
     })
     .await;
+    // The index is sized for each rank's cache, never past its own limit.
+    let until = Instant::now() + Duration::from_secs(10);
+    let sized = loop {
+        let ws = c.workers().await;
+        let of = |id: u32| {
+            ws.iter()
+                .find(|w| w["worker_id"] == id)
+                .map_or(Value::Null, |w| w["cache_blocks"].clone())
+        };
+        let sized = (of(r0), of(r1));
+        if !sized.0.is_null() && !sized.1.is_null() {
+            break sized;
+        }
+        assert!(Instant::now() < until, "the index never sized: {ws:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(sized, (38_912.into(), 100_000.into()));
     let e0 = &worker(&view, r0)["engine"];
     assert_eq!(e0["waiting"], 48);
     assert_eq!(e0["running"], 256);

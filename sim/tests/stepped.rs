@@ -124,6 +124,9 @@ async fn a_stepped_engine_under_kv_pressure_preempts_and_still_finishes_every_re
             block_size_tokens: 16,
             capacity_blocks: 60,
         },
+        // Slow enough (192 steps of at least 0.48 ms) that the four requests are running
+        // together: at 1000× one could finish before the next arrived on a busy machine.
+        speed: 10.0,
         ..config("eng-p", EngineModel::Stepped)
     })
     .await;

@@ -156,6 +156,11 @@ impl Hub {
                 lora_name: w.reg.lora_name.clone(),
                 registered: w.source.is_none(),
                 blocks: self.index.worker_blocks(w.id) as u64,
+                cache_blocks: self
+                    .index
+                    .capacity(w.id)
+                    .filter(|&c| c > 0)
+                    .map(|c| c as u64),
                 routable: w.status.is_routable(),
                 status: w.status.clone(),
             })

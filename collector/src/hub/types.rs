@@ -121,6 +121,10 @@ pub struct WorkerView {
     /// Registered directly (false: named by a batch's dp rank).
     pub registered: bool,
     pub blocks: u64,
+    /// The engine's KV cache size in blocks (`vllm:cache_config_info{num_gpu_blocks}`), which
+    /// the index is sized for; absent until its metrics page said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_blocks: Option<u64>,
     /// [`WorkerStatus::is_routable`].
     #[serde(default)]
     pub routable: bool,

@@ -562,7 +562,7 @@ fn render_metrics(engine: &Engine) -> String {
         );
     } else {
         // vLLM's cache config as an info gauge (value 1), one series per engine index, with
-        // the labels a router checks its registration against.
+        // the labels a router checks its registration against and sizes its index by.
         let _ = writeln!(
             info,
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge"
@@ -570,8 +570,8 @@ fn render_metrics(engine: &Engine) -> String {
         for r in 0..stats.len() {
             let _ = writeln!(
                 info,
-                "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"{r}\",prefix_caching_hash_algo=\"sha256\"}} 1.0",
-                cfg.cache.block_size_tokens
+                "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"{r}\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"sha256\"}} 1.0",
+                cfg.cache.block_size_tokens, cfg.cache.capacity_blocks
             );
         }
     }
