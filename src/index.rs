@@ -268,12 +268,18 @@ impl Index {
 
     /// Sizes the index for `worker` holding up to `blocks` blocks (its engine's cache size,
     /// capped at `max_blocks_per_worker`): the worker's own table now, the arena and the holder
-    /// table for every sized worker together. A table that fills up doubles in one step (a new
-    /// table beside the old while every entry moves), so an index left to grow steps up in
-    /// memory, and stalls a slice of ingest, whenever the fleet's block count sets a new high;
-    /// sized for the fleet, it never rehashes in service. The holder table is sized as if no
-    /// two engines shared a block (its bound), at about 20 bytes a block. Returns whether
-    /// the size changed; unknown workers are not sized.
+    /// table for every sized worker together. A hash table that runs out of room doubles in
+    /// one step (a new table beside the old while every entry moves), so an index left to
+    /// grow steps up in memory, and stalls a slice of ingest, whenever the fleet's block count
+    /// sets a new high; sized for the fleet, it never moves to a bigger table in service.
+    ///
+    /// The tables get room for twice what they will hold. Evictions leave deleted slots
+    /// behind, and when those use up the free ones, hashbrown cleans them in place only if the
+    /// table is at most half full; fuller, it moves to a table twice the size. A full cache
+    /// that keeps evicting would take that step sooner or later; taken here, it is taken once,
+    /// at start. The holder table is sized as if no two engines shared a block (its bound):
+    /// about 40 bytes a block with the worker's table, beside the 40 of its arena node.
+    /// Returns whether the size changed; unknown workers are not sized.
     pub fn set_capacity(&mut self, worker: WorkerId, blocks: usize) -> bool {
         let blocks = blocks.min(self.config.max_blocks_per_worker);
         let nodes = &self.nodes;
@@ -289,18 +295,19 @@ impl Index {
         }
         self.capacity = self.capacity - w.capacity + blocks;
         w.capacity = blocks;
-        w.by_engine
-            .reserve(blocks.saturating_sub(w.by_engine.len()), |&n| {
-                mix(nodes[n as usize].engine.0)
-            });
+        let room = |len: usize, holds: usize| holds.saturating_mul(2).saturating_sub(len);
+        w.by_engine.reserve(room(w.by_engine.len(), blocks), |&n| {
+            mix(nodes[n as usize].engine.0)
+        });
         // Freed arena slots are reused before the arena grows, so its length only passes the
         // fleet's capacity if some worker holds more than its engine said.
         self.nodes
             .reserve_exact(self.capacity.saturating_sub(self.nodes.len()));
-        self.holders.table.reserve(
-            self.capacity.saturating_sub(self.holders.table.len()),
-            |e| mix(e.key.0),
-        );
+        self.holders
+            .table
+            .reserve(room(self.holders.table.len(), self.capacity), |e| {
+                mix(e.key.0)
+            });
         true
     }
 
@@ -1125,15 +1132,32 @@ mod tests {
             "{sized:?}"
         );
         assert!(sized.iter().all(|c| c.2 >= 20_000 * 4), "{sized:?}");
-        // Full caches of distinct blocks, then churn: an engine restarted empty, refilled.
+        // Full caches of distinct blocks (chains of 10), then churn: evictions and stores for
+        // ten times the caches' size, and an engine restarted empty and refilled.
+        let chain_at = |w: usize, k: u64| 10_000_000 * w as u64 + 10 * k;
         for (i, &w) in workers.iter().enumerate() {
-            for k in 0..4 {
-                let first = 1_000_000 * i as u64 + 5_000 * k;
-                index.apply(w, &chain(first, 5_000), &mut changes);
+            for k in 0..2_000 {
+                index.apply(w, &chain(chain_at(i, k), 10), &mut changes);
             }
         }
+        for round in 0..100u64 {
+            for (i, &w) in workers.iter().enumerate() {
+                let (old, new) = (round * 200, 2_000 + round * 200);
+                for k in 0..200 {
+                    let hashes = (0..10).map(|j| EngineHash(chain_at(i, old + k) + j));
+                    let removed = KvEvent::BlockRemoved {
+                        hashes: hashes.collect(),
+                        tier: Tier::Gpu,
+                    };
+                    index.apply(w, &removed, &mut changes);
+                    index.apply(w, &chain(chain_at(i, new + k), 10), &mut changes);
+                }
+            }
+            changes.clear();
+        }
+        assert_eq!(index.stats().blocks, 60_000);
         index.clear_worker(WorkerId(1), &mut changes);
-        index.apply(WorkerId(1), &chain(7_000_000, 20_000), &mut changes);
+        index.apply(WorkerId(1), &chain(70_000_000, 20_000), &mut changes);
         assert_eq!(index.stats().blocks, 60_000);
         let after: Vec<_> = workers.iter().map(|&w| allocations(&index, w)).collect();
         assert_eq!(after, sized);
