@@ -278,7 +278,7 @@ impl Index {
     /// table is at most half full; fuller, it moves to a table twice the size. A full cache
     /// that keeps evicting would take that step sooner or later; taken here, it is taken once,
     /// at start. The holder table is sized as if no two engines shared a block (its bound):
-    /// about 40 bytes a block with the worker's table, beside the 40 of its arena node.
+    /// 40–80 bytes of table a block (tables come in powers of two), beside its 40-byte node.
     /// Returns whether the size changed; unknown workers are not sized.
     pub fn set_capacity(&mut self, worker: WorkerId, blocks: usize) -> bool {
         let blocks = blocks.min(self.config.max_blocks_per_worker);
