@@ -26,7 +26,7 @@ DEV_BINS  ?= $(CARGO) build -j$(JOBS) -p kvroute-collector -p kvroute-sim
 HASH_CLI  ?= $(CARGO) build -j$(JOBS) -p kvroute --example hash_cli
 TEST_BINS := $(CARGO) test -j$(JOBS) --workspace --no-run
 
-.PHONY: all setup wasm wasm-unbooked native lint layout test test-rust test-e2e bench bench-routing bench-routing-scenarios bench-collector bench-ingest-stall bench-soak bench-latency demo clean js js-tools test-js bench-js
+.PHONY: all setup wasm wasm-unbooked native lint layout test test-rust test-e2e bench bench-routing bench-routing-scenarios bench-collector bench-ingest-stall bench-soak bench-latency demo demo-ha clean js js-tools test-js bench-js
 
 all: wasm native
 
@@ -184,6 +184,13 @@ bench-latency: wasm native
 demo: wasm native
 	bash envoy-config/install-envoy.sh >/dev/null
 	python3 envoy-config/run.py demo --no-build
+
+## make demo-ha: the same fleet past one collector (nats-server, 2 ingest and 3 index
+## collectors, 16 engines, 2 Envoys failing over between the replicas) under 2.5 minutes of
+## kills, engine restarts and a NATS pause; prints which targets held (bench-out/soak-ha-short/).
+demo-ha: wasm native
+	bash envoy-config/install-envoy.sh >/dev/null
+	python3 envoy-config/run.py demo --ha --no-build
 
 ## --- js: the core for JavaScript (wasm-bindgen), package @kvroute/core ----------------------
 ##

@@ -7,6 +7,10 @@
                                          through Envoy + kvroute, then through plain
                                          round-robin (same Envoy, same engines, caches reset
                                          in between), print the comparison, write JSON
+  run.py demo --ha                       `make demo-ha`: the control plane past one collector
+                                         (nats-server, 2 ingest + 3 index collectors, 2 Envoys
+                                         failing over between them) while collectors are
+                                         killed -9, engines restarted and NATS paused
   run.py render OUT [NAME=VALUE ...]     render envoy.yaml with free ports (for inspection)
 
 Processes are started in their own process groups and all stopped on exit, on error and on
@@ -211,8 +215,22 @@ def print_table(results: dict) -> None:
               f"hit rate {100 * (a['hit_rate'] or 0):.1f}% vs {100 * (b['hit_rate'] or 0):.1f}%")
 
 
+def cmd_demo_ha(args) -> int:
+    """`demo --ha`: the control plane past one collector, under fire. nats-server (JetStream),
+    2 ingest and 3 index collectors, 16 engines and 2 Envoys whose filters fail over between
+    the index replicas; the trace replayed while collectors are killed -9, engines restarted,
+    a gateway restarted and NATS paused: the short chaos soak, which prints what held."""
+    subprocess.run(["bash", str(K.REPO / "tools" / "install-nats-server.sh")], check=True,
+                   stdout=subprocess.DEVNULL)
+    argv = [sys.executable, str(K.HERE / "soak_ha.py"), "--short"]
+    K.log("demo --ha:", " ".join(argv[1:]))
+    return subprocess.run(argv).returncode
+
+
 def cmd_demo(args) -> int:
     build(args.no_build)
+    if args.ha:
+        return cmd_demo_ha(args)
     if not Path(args.trace).exists():
         K.log(f"trace {args.trace} not found")
         return 1
@@ -298,6 +316,9 @@ def main() -> int:
     p.add_argument("--engine-arg", action="append", help="extra kvroute-sim engine argument")
     p.add_argument("--replay-timeout", type=float, default=600)
     p.add_argument("--out", default="demo-results.json")
+    p.add_argument("--ha", action="store_true",
+                   help="the HA control plane instead (NATS, ingest and index collectors, two "
+                        "gateways) under 2.5 minutes of chaos; results in bench-out/soak-ha-short/")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("render", help="render envoy.yaml with free ports")

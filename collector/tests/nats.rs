@@ -933,12 +933,15 @@ async fn ingest_rate_through_nats() {
     const BLOCK_TOKENS: u32 = 16;
     let nats = Nats::start().await;
     let url = nats.url();
-    let ingest = Collector::start(config(Some(BusConfig {
+    // A stream that holds the whole run (~130 MB): the replica applies behind the publisher,
+    // and the tests' 64 MB would drop what it has not read yet (counted as gaps).
+    let roomy = |role, durable| BusConfig {
         outbox_batches: BATCHES as usize + 1024,
-        ..bus(&url, Role::Ingest, "unused")
-    })))
-    .await;
-    let r = Collector::start(config(Some(bus(&url, Role::Index, "rate")))).await;
+        max_bytes: 1 << 30,
+        ..bus(&url, role, durable)
+    };
+    let ingest = Collector::start(config(Some(roomy(Role::Ingest, "unused")))).await;
+    let r = Collector::start(config(Some(roomy(Role::Index, "rate")))).await;
     let reg = kvroute::api::RegisterRequest {
         instance_id: "bench".into(),
         endpoint: "tcp://127.0.0.1:9".into(),
@@ -979,8 +982,23 @@ async fn ingest_rate_through_nats() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let published = started.elapsed();
+    let until = tokio::time::Instant::now() + Duration::from_secs(120);
     while r.bus_count("in", "applied") < BATCHES {
-        assert!(tokio::time::Instant::now() < until);
+        let counts: Vec<(&str, u64)> = [
+            "applied",
+            "duplicate",
+            "gap",
+            "unknown_worker",
+            "undecodable",
+            "too_large",
+        ]
+        .into_iter()
+        .map(|o| (o, r.bus_count("in", o)))
+        .collect();
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the replica stopped at {counts:?}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let applied = started.elapsed();
