@@ -923,7 +923,8 @@ async fn killed_index_replica_recovers_from_its_snapshot_and_the_stream() {
 }
 
 /// The bus's throughput (not a pass/fail test): batches of 64 blocks of 16 tokens pushed
-/// through an ingest role's outbox onto the stream, and applied by an index replica.
+/// through an ingest role's outbox onto the stream, and applied by an index replica reading
+/// as they come; then by a second replica started once all of it is on the stream.
 /// `cargo test --profile native -p kvroute-collector --test nats ingest_rate -- --ignored --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
@@ -1002,6 +1003,18 @@ async fn ingest_rate_through_nats() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let applied = started.elapsed();
+    // A replica started once it is all on the stream: its own rate, sharing the cores with
+    // nats-server only (what a replica on its own machine, or one catching up, sees).
+    let late = Collector::start(config(Some(roomy(Role::Index, "late")))).await;
+    let caught_up_from = std::time::Instant::now();
+    while late.bus_count("in", "applied") < BATCHES {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the late replica stalled"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let caught_up = caught_up_from.elapsed();
     let blocks = (BATCHES * u64::from(BLOCKS)) as f64;
     println!(
         "{BATCHES} batches x {BLOCKS} blocks ({:.1} MB): on the stream (acknowledged) in {:.2} s = {:.0} blocks/s, {:.0} batches/s; applied by an index replica in {:.2} s = {:.0} blocks/s",
@@ -1012,7 +1025,14 @@ async fn ingest_rate_through_nats() {
         applied.as_secs_f64(),
         blocks / applied.as_secs_f64(),
     );
+    println!(
+        "a replica started after the publish applied the stream in {:.2} s = {:.0} blocks/s",
+        caught_up.as_secs_f64(),
+        blocks / caught_up.as_secs_f64(),
+    );
     assert_eq!(r.bus_count("in", "gap"), 0);
+    assert_eq!(late.bus_count("in", "gap"), 0);
+    late.stop().await;
     r.stop().await;
     ingest.stop().await;
 }
