@@ -180,6 +180,12 @@ fn mix(mut v: u64) -> u64 {
     v ^ (v >> 33)
 }
 
+/// A known worker's slot. A free function over the field, not a method, so that callers can
+/// hold `nodes` (the hasher of its table) at the same time.
+fn worker_mut(workers: &mut [Option<Worker>], worker: WorkerId) -> Option<&mut Worker> {
+    workers.get_mut(worker.0 as usize).and_then(Option::as_mut)
+}
+
 impl Index {
     /// An empty index.
     pub fn new(config: IndexConfig) -> Index {
@@ -229,11 +235,7 @@ impl Index {
 
     /// Drops everything a worker holds, keeping its registration.
     pub fn clear_worker(&mut self, worker: WorkerId, changes: &mut Vec<Change>) -> u64 {
-        let Some(w) = self
-            .workers
-            .get_mut(worker.0 as usize)
-            .and_then(Option::as_mut)
-        else {
+        let Some(w) = worker_mut(&mut self.workers, worker) else {
             return 0;
         };
         let held: Vec<u32> = w.by_engine.iter().copied().collect();
@@ -251,11 +253,7 @@ impl Index {
     /// Unknown workers reserve nothing.
     pub fn reserve(&mut self, worker: WorkerId, additional: usize) {
         let nodes = &self.nodes;
-        let Some(w) = self
-            .workers
-            .get_mut(worker.0 as usize)
-            .and_then(Option::as_mut)
-        else {
+        let Some(w) = worker_mut(&mut self.workers, worker) else {
             return;
         };
         w.by_engine
@@ -281,13 +279,9 @@ impl Index {
     /// 40–80 bytes of table a block (tables come in powers of two), beside its 40-byte node.
     /// Returns whether the size changed; unknown workers are not sized.
     pub fn set_capacity(&mut self, worker: WorkerId, blocks: usize) -> bool {
-        let blocks = blocks.min(self.config.max_blocks_per_worker);
+        let blocks = self.capped(blocks);
         let nodes = &self.nodes;
-        let Some(w) = self
-            .workers
-            .get_mut(worker.0 as usize)
-            .and_then(Option::as_mut)
-        else {
+        let Some(w) = worker_mut(&mut self.workers, worker) else {
             return false;
         };
         if w.capacity == blocks {
@@ -314,6 +308,17 @@ impl Index {
     /// The size [`Index::set_capacity`] gave `worker` (`None`: unknown worker).
     pub fn capacity(&self, worker: WorkerId) -> Option<usize> {
         self.worker(worker).map(|w| w.capacity)
+    }
+
+    /// Whether [`Index::set_capacity`] with `blocks` would change anything: a check under a
+    /// read lock before taking the write lock.
+    pub fn needs_capacity(&self, worker: WorkerId, blocks: usize) -> bool {
+        self.capacity(worker)
+            .is_some_and(|c| c != self.capped(blocks))
+    }
+
+    fn capped(&self, blocks: usize) -> usize {
+        blocks.min(self.config.max_blocks_per_worker)
     }
 
     /// Number of blocks a worker holds.
@@ -1165,6 +1170,15 @@ mod tests {
         // An engine's word is capped by the index's limit; a removed worker gives its room back.
         assert!(index.set_capacity(WorkerId(0), usize::MAX));
         assert_eq!(index.capacity(WorkerId(0)), Some(30_000));
+        assert!(
+            !index.needs_capacity(WorkerId(0), usize::MAX),
+            "capped the same way"
+        );
+        assert!(index.needs_capacity(WorkerId(0), 20_000));
+        assert!(
+            !index.needs_capacity(WorkerId(9), 20_000),
+            "an unknown worker"
+        );
         assert_eq!(index.capacity, 70_000);
         index.remove_worker(WorkerId(0), &mut changes);
         assert_eq!(

@@ -458,7 +458,6 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
                         // Lock order: fleet, then hub.
                         let mut fleet = state.fleet();
                         let hub = state.read();
-                        let most = hub.index.config().max_blocks_per_worker;
                         for (worker, rank) in t.still_registered(&hub) {
                             if let Some(f) = page.load.get(&rank) {
                                 fleet.set_engine(worker, EngineSample { load: *f, at });
@@ -468,8 +467,8 @@ pub async fn run(state: AppState, cfg: ScrapeConfig) {
                             };
                             fleet.truth_mut().note_engine(worker, r, at);
                             if let Some(blocks) = r.cache_blocks {
-                                let blocks = usize::try_from(blocks).unwrap_or(most).min(most);
-                                if hub.index.capacity(worker).is_some_and(|c| c != blocks) {
+                                let blocks = usize::try_from(blocks).unwrap_or(usize::MAX);
+                                if hub.index.needs_capacity(worker, blocks) {
                                     resize.push((worker, blocks));
                                 }
                             }
