@@ -183,39 +183,38 @@ pub fn rank(
     best.map(|(b, _)| (b, second.map(|(i, _)| i)))
 }
 
-/// Like [`rank`], but contenders marked preferred win near-ties: when a preferred one costs at
-/// most `band` more than the cheapest of all, the cheapest preferred one wins (random among
-/// its exact ties); otherwise [`rank`] decides. The runner-up is the cheapest of the others.
-/// The winner's cost never exceeds the cheapest's by more than `band`, whatever is preferred.
+/// Like [`rank`], but near-ties go by preference: among the candidates costing at most `band`
+/// more than the cheapest of all, those of the least `key` compete, and the cheapest of them
+/// wins (random among its exact ties). The runner-up is the cheapest of the others. The
+/// winner's cost never exceeds the cheapest's by more than `band`, whatever the keys.
 /// `band` ≤ 0 or not finite: [`rank`].
-pub fn rank_preferring<I>(
+pub fn rank_preferring<I, K>(
     costs: I,
     band: f64,
     rng: &mut impl Random,
 ) -> Option<(usize, Option<usize>)>
 where
-    I: Iterator<Item = (usize, f64, bool)> + Clone,
+    I: Iterator<Item = (usize, f64, K)> + Clone,
+    K: Ord + Copy,
 {
     let all = costs.clone().map(|(i, c, _)| (i, c));
     if !(band.is_finite() && band > 0.0) {
         return rank(all, rng);
     }
     let min = all.clone().map(|(_, c)| c).fold(f64::INFINITY, f64::min);
-    let home = costs
-        .filter(|&(_, c, preferred)| preferred && c <= min + band)
-        .map(|(i, c, _)| (i, c));
-    match rank(home, rng) {
-        Some((best, _)) => {
-            let mut second: Option<(usize, f64)> = None;
-            for (i, c) in all.filter(|&(i, _)| i != best) {
-                if second.is_none_or(|(_, s)| c < s) {
-                    second = Some((i, c));
-                }
-            }
-            Some((best, second.map(|(i, _)| i)))
+    let near = costs.filter(|&(_, c, _)| c <= min + band);
+    let key = near.clone().map(|(_, _, k)| k).min()?;
+    let (best, _) = rank(
+        near.filter(|&(_, _, k)| k == key).map(|(i, c, _)| (i, c)),
+        rng,
+    )?;
+    let mut second: Option<(usize, f64)> = None;
+    for (i, c) in all.filter(|&(i, _)| i != best) {
+        if second.is_none_or(|(_, s)| c < s) {
+            second = Some((i, c));
         }
-        None => rank(all, rng),
     }
+    Some((best, second.map(|(i, _)| i)))
 }
 
 /// Like [`rank`], but the winner is drawn: each index with odds `exp(−(cost − min) /

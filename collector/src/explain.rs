@@ -249,6 +249,14 @@ pub async fn explain(
             Replica::new(u32::try_from(index).ok()?, u32::try_from(count).ok()?)
         })
         .unwrap_or_default();
+    // What the named gateway sees the others send to each worker (its replica tie-break).
+    let others: BTreeMap<WorkerId, u64> = gateway
+        .as_ref()
+        .map(|g| fleet.totals_for(now, Some(g)))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|t| (t.worker, t.load.requests))
+        .collect();
     let reports = fleet
         .gateway_ages(now)
         .into_iter()
@@ -297,6 +305,9 @@ pub async fn explain(
             if let Some(e) = t.engine.filter(|e| !e.stale) {
                 l.add_engine(e.sample.load);
             }
+        }
+        if let Some(&n) = id.as_slot().and_then(|s| others.get(&WorkerId(s))) {
+            l.others_requests = n.min(u32::MAX.into()) as u32;
         }
         l
     };
@@ -437,9 +448,8 @@ fn meta_of(hub: &Hub) -> Meta {
 
 /// The contenders other than `best` that `router::decide` could have drawn in its place
 /// under another seed: any competing one at a temperature; else those at `best`'s very cost
-/// (`rank` draws among exact ties) and, where replicas prefer their share
-/// (`select::rank_preferring`), only those of `best`'s preference (in the share and holding
-/// nothing of the prompt, or not).
+/// (`rank` draws among exact ties) and, where replicas prefer their share among near-ties
+/// (`select::rank_preferring`), only those preferred as `best` is (`router::preferred`).
 fn tied_with(
     contenders: &[Contender],
     costs: &[Option<f64>],
@@ -452,25 +462,14 @@ fn tied_with(
     let spread = policy.temperature.is_finite() && policy.temperature > 0.0;
     let band = policy.replica_tie_band;
     let preferring = !spread && policy.replica.count > 1 && band.is_finite() && band > 0.0;
-    // As `decide` numbers them: the k-th eligible contender is in share k mod count.
-    let mut k = 0;
-    let preferred: Vec<bool> = contenders
-        .iter()
-        .map(|c| {
-            if !c.eligible {
-                return false;
-            }
-            k += 1;
-            policy.replica.owns(k - 1) && c.matched[2] == 0
-        })
-        .collect();
+    let prefs: Vec<bool> = router::preferred(contenders, policy).collect();
     costs
         .iter()
         .enumerate()
         .filter(|&(i, c)| {
             i != best
                 && c.is_some_and(|c| {
-                    spread || (c == at && (!preferring || preferred[i] == preferred[best]))
+                    spread || (c == at && (!preferring || prefs[i] == prefs[best]))
                 })
         })
         .map(|(i, _)| i)

@@ -127,6 +127,7 @@ impl LoadSpec {
             requests: self.requests,
             prefill_tokens: self.prefill_tokens,
             decode_tokens: self.decode_tokens,
+            others_requests: 0,
             engine: self
                 .engine
                 .as_ref()

@@ -46,6 +46,7 @@ impl From<Load> for InstanceLoad {
             requests: l.requests,
             prefill_tokens: l.backlog.into(),
             decode_tokens: l.decode_tokens.into(),
+            others_requests: 0,
             engine: None,
         }
     }

@@ -99,25 +99,21 @@ pub fn decide(
     let scoring = Scoring::new(contenders, policy)?;
     let competes = |c: &Contender| scoring.competes(c);
     let cost = |c: &Contender| scoring.cost(c, query);
-    // (whether this replica's share prefers it, contender index i, cost). Affinity splits
-    // only instances holding nothing of the prompt: engines tied on a hit stay a random pick,
-    // so a prefix cached on two engines is not pinned to one gateway's share.
     let scored = || {
-        eligible()
+        contenders
+            .iter()
+            .zip(preferred(contenders, policy))
             .enumerate()
-            .filter(|(_, (_, c))| competes(c))
-            .map(|(k, (i, c))| (policy.replica.owns(k) && !hit(c), i, cost(c)))
+            .filter(|(_, (c, _))| competes(c))
+            // The key orders near-ties: the preferred (`false`) first.
+            .map(|(i, (c, home))| (i, cost(c), !home))
     };
     let (best, runner_up) = if policy.replica.count > 1 && policy.temperature <= 0.0 {
-        select::rank_preferring(
-            scored().map(|(home, i, c)| (i, c, home)),
-            policy.replica_tie_band,
-            rng,
-        )?
+        select::rank_preferring(scored(), policy.replica_tie_band, rng)?
     } else {
         // Alone every contender is in the share, so there is no band to look through; at
         // temperature 0 `sample` is `rank`.
-        select::sample(scored().map(|(_, i, c)| (i, c)), policy.temperature, rng)?
+        select::sample(scored().map(|(i, c, _)| (i, c)), policy.temperature, rng)?
     };
     let c = contenders.get(best)?;
     Some(Decision {
@@ -128,6 +124,35 @@ pub fn decide(
         queued_prefill_tokens: c.load.prefill_tokens,
         cost: cost(c),
         runner_up_cost: runner_up.and_then(|i| contenders.get(i)).map(cost),
+    })
+}
+
+/// Which contenders this gateway replica prefers among those near-tied on cost (within
+/// [`Policy::replica_tie_band`]), in contender order. Replicas learn of each other's bookings
+/// one or two sync periods late, so on the same picture they would all pick the same engine;
+/// each prefers instead the instances of its [`Share`](super::load::Share), a run of the
+/// fleet as wide as its part of the gateways' requests in flight. Fixed shares of `1/n` each
+/// would pile the traffic of a replica that sends most of it (an 80/20 split of the
+/// clients) onto its half of the fleet. Instances holding part of the prompt are never
+/// preferred: engines tied on a hit stay a random pick, so a prefix cached on two engines is
+/// not pinned to one replica's share. Ineligible contenders are not preferred (they never
+/// compete).
+pub fn preferred<'a>(
+    contenders: &'a [Contender],
+    policy: &'a Policy,
+) -> impl Iterator<Item = bool> + Clone + 'a {
+    let eligible = contenders.iter().filter(|c| c.eligible);
+    let (own, others) = eligible.clone().fold((0u64, 0u64), |(own, others), c| {
+        let o = c.load.others_requests.min(c.load.requests);
+        (own + u64::from(c.load.requests - o), others + u64::from(o))
+    });
+    let share = policy.replica.share(own, others, eligible.count());
+    contenders.iter().scan(0usize, move |k, c| {
+        if !c.eligible {
+            return Some(false);
+        }
+        *k += 1;
+        Some(share.owns(*k - 1) && c.matched[2] == 0)
     })
 }
 
@@ -239,6 +264,12 @@ mod tests {
             prefill_tokens,
             ..InstanceLoad::default()
         };
+        c
+    }
+
+    /// `c` with `n` of its requests booked by other gateways.
+    fn others(mut c: Contender, n: u32) -> Contender {
+        c.load.others_requests = n;
         c
     }
 
@@ -395,7 +426,7 @@ mod tests {
             }
             seen.sort();
         }
-        assert_eq!(chosen, [vec![0, 3], vec![1, 4]], "eligible 0, 2 | 1, 3");
+        assert_eq!(chosen, [vec![0, 1], vec![3, 4]], "eligible 0, 1 | 2, 3");
         // Alone (or affinity off), every idle instance is a candidate.
         let alone: Vec<usize> = (0..40)
             .map(|s| decide(&cs, Q, &of(0, 1), &mut SplitMix64(s)).unwrap().best)
@@ -406,11 +437,6 @@ mod tests {
         let busy = [loaded(0, 3, 0), loaded(0, 0, 0)];
         assert_eq!(with_policy(&busy, &of(0, 2)).unwrap().best, 1);
         assert_eq!(with_policy(&busy, &of(1, 2)).unwrap().best, 1);
-        // Busier by one decoding request (within the two-block band): a tie for the time to
-        // first token, split by share, so two replicas deciding at once take different ones.
-        let one = [loaded(0, 1, 0), loaded(0, 0, 0)];
-        assert_eq!(with_policy(&one, &of(0, 2)).unwrap().best, 0);
-        assert_eq!(with_policy(&one, &of(1, 2)).unwrap().best, 1);
         // Within the band (a few drained tokens): affinity keeps it home.
         let near = [loaded(0, 0, 4), loaded(0, 0, 0)];
         assert_eq!(with_policy(&near, &of(0, 2)).unwrap().best, 0);
@@ -430,7 +456,7 @@ mod tests {
             .collect();
         assert!(tied.contains(&0) && tied.contains(&1), "{tied:?}");
         // The runner-up is the cheapest of the others, in either share.
-        let three = [loaded(0, 0, 4), loaded(0, 0, 0), loaded(0, 3, 0)];
+        let three = [loaded(0, 0, 4), loaded(0, 0, 0), others(loaded(0, 3, 0), 3)];
         let d = with_policy(&three, &of(0, 2)).unwrap();
         assert_eq!((d.best, d.runner_up), (0, Some(1)));
         // Affinity off: the other share's idle instances compete as equals again.
@@ -445,6 +471,35 @@ mod tests {
         assert_eq!(Replica::parse("1/2"), Some(Replica { index: 1, count: 2 }));
         assert_eq!(Replica::parse("2/2"), None);
         assert_eq!(Replica::parse("x"), None);
+    }
+
+    #[test]
+    fn a_replica_prefers_a_share_as_wide_as_its_part_of_the_traffic() {
+        let of = |index| Policy {
+            replica: Replica { index, count: 2 },
+            ..Policy::default()
+        };
+        let picks = |cs: &[Contender], p: &Policy| {
+            let mut seen: Vec<usize> = (0..60)
+                .map(|s| decide(cs, Q, p, &mut SplitMix64(s)).unwrap().best)
+                .collect();
+            seen.sort();
+            seen.dedup();
+            seen
+        };
+        // Four idle engines and a fifth busy with eight requests, out of the band. When the
+        // eight are this replica's (it carries all the traffic: 9/10 of the fleet, smoothed),
+        // every idle engine takes its requests, not just its half of the fleet.
+        let mut cs = [idle(0), idle(0), idle(0), idle(0), loaded(0, 8, 0)];
+        assert_eq!(picks(&cs, &of(0)), [0, 1, 2, 3]);
+        // When they are the other replica's, this one is the quiet one: a tenth of the fleet,
+        // its first engine, while the other keeps to the rest.
+        cs[4] = others(loaded(0, 8, 0), 8);
+        assert_eq!(picks(&cs, &of(0)), [0]);
+        // Shared evenly (four each): half the fleet each, as on an idle fleet.
+        cs[4] = others(loaded(0, 8, 0), 4);
+        assert_eq!(picks(&cs, &of(0)), [0, 1]);
+        assert_eq!(picks(&cs, &of(1)), [2, 3]);
     }
 
     #[test]
@@ -554,9 +609,11 @@ mod tests {
                 any::<bool>(),
                 0u32..12,
                 0u32..100,
+                0u32..6,
             )
-                .prop_map(|(m, requests, prefill, eligible, waiting, kv)| {
-                    let mut c = loaded(m, requests, prefill);
+                .prop_map(|(m, requests, prefill, eligible, waiting, kv, theirs)| {
+                    // Part of the requests booked by other gateways: the tie-break's key.
+                    let mut c = others(loaded(m, requests, prefill), theirs.min(requests));
                     c.eligible = eligible;
                     engine(c, waiting, (kv * 10) as u16)
                 })

@@ -42,9 +42,60 @@ impl Replica {
         Replica::new(i.parse().ok()?, n.parse().ok()?)
     }
 
-    /// Whether the `k`-th eligible instance is in this replica's share.
+    /// This replica's share of `instances` eligible instances when it carries `own` of the
+    /// gateways' requests in flight and the others `others`: a run of instances as wide as
+    /// its part of the traffic, so a replica sending 80 % of the requests keeps to 80 % of the
+    /// fleet, not to `1/count` of it. The part is smoothed towards an even split (one
+    /// request each added), so an idle fleet splits evenly; replica `i`'s run starts at
+    /// `i/(count − 1)` of the room the others leave it. Two replicas' runs meet exactly; with
+    /// more, each guesses the others carry equal parts, and runs may overlap or leave gaps:
+    /// this only breaks near-ties.
+    pub fn share(&self, own: u64, others: u64, instances: usize) -> Share {
+        if self.count <= 1 {
+            return Share {
+                from: 0,
+                to: 1,
+                den: 1,
+                instances,
+            };
+        }
+        // In exact fractions (boundaries computed in floats leave gaps between two runs):
+        // part = a/b, from = (b − a)·i / (b·(n − 1)).
+        let n = u128::from(self.count);
+        let a = u128::from(own) + 1;
+        let b = u128::from(own) + u128::from(others) + n;
+        let from = (b - a) * u128::from(self.index);
+        Share {
+            from,
+            to: from + a * (n - 1),
+            den: b * (n - 1),
+            instances,
+        }
+    }
+}
+
+/// A replica's share of the eligible instances ([`Replica::share`]): `[from, to) / den`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Share {
+    from: u128,
+    to: u128,
+    den: u128,
+    instances: usize,
+}
+
+impl Share {
+    /// Whether the `k`-th eligible instance is in the share. Instance `k` takes the `k`-th of
+    /// `instances` equal steps of `[0, 1)`; the share holds those whose midpoint it covers,
+    /// and the one under its own midpoint, so a share narrower than a step still has one.
     pub fn owns(&self, k: usize) -> bool {
-        self.count <= 1 || k % self.count as usize == self.index as usize
+        let n = self.instances.max(1) as u128;
+        // Midpoint (2k + 1) / 2n against the bounds, cross-multiplied.
+        let x = (2 * k as u128 + 1) * self.den;
+        let covered = 2 * n * self.from <= x && x < 2 * n * self.to;
+        // The step under the share's midpoint (from + to) / 2den: k ≤ n·mid < k + 1.
+        let m = n * (self.from + self.to);
+        let under = 2 * self.den * k as u128 <= m && m < 2 * self.den * (k as u128 + 1);
+        covered || under
     }
 }
 
@@ -80,6 +131,9 @@ pub struct InstanceLoad {
     pub prefill_tokens: u64,
     /// Decode work of those requests, in tokens (reported to the fleet; not in the cost).
     pub decode_tokens: u64,
+    /// Of `requests`, those other gateways booked, as of their last report (0 alone): how
+    /// the gateways split the traffic, read by the replica tie-break.
+    pub others_requests: u32,
     /// The engine's own report, when fresh: read by the saturation rule.
     pub engine: Option<EngineLoad>,
 }
@@ -99,6 +153,7 @@ impl InstanceLoad {
         self.requests = self.requests.saturating_add(o.requests);
         self.prefill_tokens = self.prefill_tokens.saturating_add(o.prefill_tokens);
         self.decode_tokens = self.decode_tokens.saturating_add(o.decode_tokens);
+        self.others_requests = self.others_requests.saturating_add(o.others_requests);
         if let Some(e) = o.engine {
             self.add_engine(e);
         }
@@ -139,6 +194,46 @@ mod tests {
     }
 
     #[test]
+    fn replica_shares_follow_the_traffic() {
+        let owned = |r: Replica, own, others, n| -> Vec<usize> {
+            let s = r.share(own, others, n);
+            (0..n).filter(|&k| s.owns(k)).collect()
+        };
+        let (r0, r1) = (Replica::new(0, 2).unwrap(), Replica::new(1, 2).unwrap());
+        // Idle: half each.
+        assert_eq!(owned(r0, 0, 0, 4), [0, 1]);
+        assert_eq!(owned(r1, 0, 0, 4), [2, 3]);
+        // 80/20 of 40 requests in flight: 33/42 of the fleet and the rest.
+        assert_eq!(owned(r0, 32, 8, 4), [0, 1, 2]);
+        assert_eq!(owned(r1, 8, 32, 4), [3]);
+        // A replica with almost none of the traffic still has one instance.
+        assert_eq!(owned(r1, 0, 1000, 16), [15]);
+        // Alone: everything.
+        assert_eq!(owned(Replica::default(), 5, 0, 3), [0, 1, 2]);
+        // Two replicas' shares cover the fleet, and overlap only where one is narrower
+        // than an instance (its midpoint's instance is added).
+        for own in 0..30u64 {
+            for others in 0..30u64 {
+                for n in 1..12usize {
+                    let (a, b) = (r0.share(own, others, n), r1.share(others, own, n));
+                    for k in 0..n {
+                        assert!(a.owns(k) || b.owns(k), "{own} {others} {n} {k}");
+                        let narrow = |x: u64, y: u64| {
+                            (x as f64 + 1.0) / ((x + y) as f64 + 2.0) < 1.0 / n as f64
+                        };
+                        if a.owns(k) && b.owns(k) {
+                            assert!(
+                                narrow(own, others) || narrow(others, own),
+                                "{own} {others} {n} {k}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn instance_load_sums_counts_and_keeps_the_busiest_engine() {
         let mut l = InstanceLoad::default();
         l.add_counts(Counts {
@@ -150,6 +245,7 @@ mod tests {
             requests: 1,
             prefill_tokens: 4,
             decode_tokens: 3,
+            others_requests: 1,
             engine: None,
         });
         l.add_engine(EngineLoad {
@@ -163,8 +259,13 @@ mod tests {
             kv_permille: 900,
         });
         assert_eq!(
-            (l.requests, l.prefill_tokens, l.decode_tokens),
-            (3, 14, 10),
+            (
+                l.requests,
+                l.prefill_tokens,
+                l.decode_tokens,
+                l.others_requests
+            ),
+            (3, 14, 10, 1),
             "the backlog counts"
         );
         assert_eq!(

@@ -50,16 +50,18 @@
 //! - **Temperature** ([`Policy::temperature`], off by default): the winner is drawn among the
 //!   contenders with odds that fall with their cost's distance from the cheapest, so gateway
 //!   replicas deciding on the same slightly stale load do not all pick the same engine.
-//! - **Replica affinity** ([`Policy::replica_tie_band`], [`Replica`]): with `n` gateway
-//!   replicas, replica `i` breaks near-ties in favour of its own share (the `k`-th eligible
-//!   instance in the shared instance order is replica `k mod n`'s). A replica learns of the
-//!   others' bookings only through the collector, one or two sync periods late; on an idle or
-//!   evenly loaded fleet every replica would see the same exact ties, and affinity makes them
-//!   pick different engines. Engines tied on a hit stay a random pick. It is only a
-//!   tie-breaker: the winner's cost is never more than
-//!   the band above the cheapest contender's (two blocks by default: two in-flight requests
-//!   or 32 queued tokens), so no replica count or share can send a request to an engine
-//!   with more than that much work ahead while another is free.
+//! - **Replica affinity** ([`Policy::replica_tie_band`], [`Replica`], [`preferred`]): with
+//!   `n` gateway replicas, each breaks near-ties in favour of its own [`Share`] of the
+//!   instances: a run of the shared instance order as wide as its part of the gateways'
+//!   requests in flight (half each when idle or evenly split; 80 % of the fleet for a replica
+//!   carrying 80 % of the traffic). A replica learns of the others' bookings only through the
+//!   collector, one or two sync periods late; on an idle or evenly loaded fleet every replica
+//!   would see the same exact ties, and affinity makes them pick different engines, while a
+//!   share sized by traffic keeps a busy replica from piling its requests onto a fixed half.
+//!   Engines tied on a hit stay a random pick. It is only a tie-breaker: the winner's cost is
+//!   never more than the band above the cheapest contender's (two blocks by default: two
+//!   in-flight requests or 32 queued tokens), so no replica count or share can send a
+//!   request to an engine with more than that much work ahead while another is free.
 //!
 //! The load a contender carries comes from [`fleet_view`] when the caller knows the fleet's
 //! totals: what every gateway reported, minus this gateway's own last report (already in the
@@ -74,8 +76,8 @@ mod policy;
 mod roster;
 
 pub use book::{BookError, Booked, Books};
-pub use decide::{costs, decide, rank_by, Contender, Decision, Query, RankRule};
-pub use load::{fleet_view, Counts, EngineLoad, InstanceLoad, Replica};
+pub use decide::{costs, decide, preferred, rank_by, Contender, Decision, Query, RankRule};
+pub use load::{fleet_view, Counts, EngineLoad, InstanceLoad, Replica, Share};
 pub use matches::{
     answer_on_roster, hold, remember, remote_contenders, speculative, SpecRead,
     SPECULATIVE_ENTRIES, SPECULATIVE_SHARDS,

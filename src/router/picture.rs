@@ -86,6 +86,7 @@ impl Picture {
             };
             let v = fleet_view(w.total, w.reported, mine);
             l.requests = v.requests.min(u32::MAX.into()) as u32;
+            l.others_requests = l.requests.saturating_sub(own.requests);
             l.prefill_tokens = v.prefill_tokens;
             l.decode_tokens = v.decode_tokens;
         }

@@ -34,8 +34,9 @@ pub struct Policy {
     /// ([`select::sample`]): gateway replicas deciding on the same slightly stale load spread
     /// their picks.
     pub temperature: f64,
-    /// Cost, in blocks, within which a contender of this replica's share is preferred to a
-    /// cheaper one outside it (see the module docs); 0: no affinity.
+    /// Cost, in blocks, within which a contender of this replica's share (sized by its part
+    /// of the traffic, [`Replica::share`]) is preferred to a cheaper one outside it (see the
+    /// module docs); 0: no affinity.
     pub replica_tie_band: f64,
     /// Which gateway replica decides, out of how many (the collector's count of live ones).
     pub replica: Replica,
@@ -50,8 +51,8 @@ pub struct Policy {
 /// 90–100 ms at two blocks, the uneven 80/20 split 580–650 against 450–530 ms).
 /// What breaks it: engines whose few running requests do slow a prefill (a batch of 2–4
 /// sequences): there two more requests are a real queue, and a band below one request's
-/// weight (`< 1.0`) is right. Past a few blocks it stops being a tie-break and lets a gateway
-/// taking most of the traffic queue work on its share while the other share idles.
+/// weight (`< 1.0`) is right. Past a few blocks it stops being a tie-break and queues work on
+/// a share that is busier than the rest.
 pub const REPLICA_TIE_BAND: f64 = 2.0;
 
 impl Default for Policy {
