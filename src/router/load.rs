@@ -62,8 +62,16 @@ impl Replica {
         // In exact fractions (boundaries computed in floats leave gaps between two runs):
         // part = a/b, from = (b − a)·i / (b·(n − 1)).
         let n = u128::from(self.count);
-        let a = u128::from(own) + 1;
-        let b = u128::from(own) + u128::from(others) + n;
+        let (own, total) = (u128::from(own), u128::from(own) + u128::from(others));
+        // A part within 30 % of an even one is even: counts of a few dozen requests swing
+        // that much at an even split, and each swing would move the runs' boundary while the
+        // replicas read each other's counts a sync period apart (they would then prefer the
+        // same engines at the boundary).
+        let (a, b) = if 10 * (own * n).abs_diff(total) <= 3 * total {
+            (1, n)
+        } else {
+            (own + 1, total + n)
+        };
         let from = (b - a) * u128::from(self.index);
         Share {
             from,
