@@ -183,19 +183,18 @@ pub fn rank(
     best.map(|(b, _)| (b, second.map(|(i, _)| i)))
 }
 
-/// Like [`rank`], but near-ties go by preference: among the candidates costing at most `band`
-/// more than the cheapest of all, those of the least `key` compete, and the cheapest of them
-/// wins (random among its exact ties). The runner-up is the cheapest of the others. The
-/// winner's cost never exceeds the cheapest's by more than `band`, whatever the keys.
-/// `band` ≤ 0 or not finite: [`rank`].
-pub fn rank_preferring<I, K>(
+/// Like [`rank`], but contenders marked preferred win near-ties: among the candidates costing
+/// at most `band` more than the cheapest of all, the preferred ones compete if there are any
+/// (all of them otherwise), and the cheapest of those wins (random among its exact ties). The
+/// runner-up is the cheapest of the others. The winner's cost never exceeds the cheapest's by
+/// more than `band`, whatever is preferred. `band` ≤ 0 or not finite: [`rank`].
+pub fn rank_preferring<I>(
     costs: I,
     band: f64,
     rng: &mut impl Random,
 ) -> Option<(usize, Option<usize>)>
 where
-    I: Iterator<Item = (usize, f64, K)> + Clone,
-    K: Ord + Copy,
+    I: Iterator<Item = (usize, f64, bool)> + Clone,
 {
     let all = costs.clone().map(|(i, c, _)| (i, c));
     if !(band.is_finite() && band > 0.0) {
@@ -203,9 +202,10 @@ where
     }
     let min = all.clone().map(|(_, c)| c).fold(f64::INFINITY, f64::min);
     let near = costs.filter(|&(_, c, _)| c <= min + band);
-    let key = near.clone().map(|(_, _, k)| k).min()?;
+    let any_preferred = near.clone().any(|(_, _, p)| p);
     let (best, _) = rank(
-        near.filter(|&(_, _, k)| k == key).map(|(i, c, _)| (i, c)),
+        near.filter(|&(_, _, p)| p == any_preferred)
+            .map(|(i, c, _)| (i, c)),
         rng,
     )?;
     let mut second: Option<(usize, f64)> = None;

@@ -240,20 +240,21 @@ pub async fn explain(
         .into_iter()
         .map(|t| (t.worker, t))
         .collect();
+    // The named gateway's feed: the others' load, what its replica tie-break weighs.
+    let theirs = gateway
+        .as_ref()
+        .map(|g| fleet.totals_for(now, Some(g)))
+        .unwrap_or_default();
     // The feed's replica header, which a filter heeds only when the page carries fleet load.
     let replica = gateway
         .as_ref()
-        .filter(|g| !fleet.totals_for(now, Some(g)).is_empty())
+        .filter(|_| !theirs.is_empty())
         .and_then(|g| {
             let (index, count) = fleet.replica_of(g, now);
             Replica::new(u32::try_from(index).ok()?, u32::try_from(count).ok()?)
         })
         .unwrap_or_default();
-    // What the named gateway sees the others send to each worker (its replica tie-break).
-    let others: BTreeMap<WorkerId, u64> = gateway
-        .as_ref()
-        .map(|g| fleet.totals_for(now, Some(g)))
-        .unwrap_or_default()
+    let others: BTreeMap<WorkerId, u64> = theirs
         .into_iter()
         .map(|t| (t.worker, t.load.requests))
         .collect();

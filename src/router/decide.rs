@@ -99,21 +99,21 @@ pub fn decide(
     let scoring = Scoring::new(contenders, policy)?;
     let competes = |c: &Contender| scoring.competes(c);
     let cost = |c: &Contender| scoring.cost(c, query);
-    let scored = || {
-        contenders
+    let (best, runner_up) = if policy.replica.count > 1 && policy.temperature <= 0.0 {
+        let scored = contenders
             .iter()
             .zip(preferred(contenders, policy))
             .enumerate()
             .filter(|(_, (c, _))| competes(c))
-            // The key orders near-ties: the preferred (`false`) first.
-            .map(|(i, (c, home))| (i, cost(c), !home))
-    };
-    let (best, runner_up) = if policy.replica.count > 1 && policy.temperature <= 0.0 {
-        select::rank_preferring(scored(), policy.replica_tie_band, rng)?
+            .map(|(i, (c, home))| (i, cost(c), home));
+        select::rank_preferring(scored, policy.replica_tie_band, rng)?
     } else {
-        // Alone every contender is in the share, so there is no band to look through; at
-        // temperature 0 `sample` is `rank`.
-        select::sample(scored().map(|(i, c, _)| (i, c)), policy.temperature, rng)?
+        // Alone every contender is in the share, so there is no band to look through (and
+        // no share to work out); at temperature 0 `sample` is `rank`.
+        let scored = eligible()
+            .filter(|(_, c)| competes(c))
+            .map(|(i, c)| (i, cost(c)));
+        select::sample(scored, policy.temperature, rng)?
     };
     let c = contenders.get(best)?;
     Some(Decision {

@@ -5,7 +5,7 @@
 //!
 //! | module | concern |
 //! |---|---|
-//! | `load` | the decision's units: [`Counts`], [`InstanceLoad`], [`EngineLoad`], [`Replica`], [`fleet_view`] |
+//! | `load` | the decision's units: [`Counts`], [`InstanceLoad`], [`EngineLoad`], [`Replica`] and its [`Share`], [`fleet_view`] |
 //! | `picture` | the load of one decision read once from shared data ([`Picture`]) |
 //! | `matches` | where matches come from, in one form: [`answer_on_roster`], [`remote_contenders`], [`hold`] |
 //! | `roster` | live workers grouped by instance ([`Roster`]) and local contenders |
