@@ -622,6 +622,32 @@ class LoadE2E(E2E):
         finally:
             self.finish(streams)
 
+    def test_a_sibling_through_another_gateway_follows_a_prompt_just_sent(self):
+        # A prompt routed through gateway 1 and, before any engine caches it (header probes
+        # cache nothing), a sibling through gateway 2: gateway 1's decision reaches gateway 2
+        # with its next load report and gateway 2's next feed pull (feed op `Held`), so the
+        # sibling follows. Without it gateway 2 would decide the sibling cold, by load and its
+        # own replica share, which the idle fleet splits apart from gateway 1's.
+        other = self.s.start_extra_envoy("held", {})
+        url2 = other["kvroute"]
+        K.wait_until(lambda: self.s.routed_to(fresh(4 * BS), url=url2) is not None, 15,
+                     "gateway 2 to decide cold requests", interval=0.2)
+        for i in range(5):
+            q = fresh(4096)
+            first = self.s.routed_to(q + fresh(BS))
+            check(first is not None, f"prompt #{i} through gateway 1 was not decided")
+            K.wait_until(lambda: self.s.routed_to(q + fresh(BS), url=url2) == first, 1.8,
+                         f"sibling #{i} through gateway 2 to follow gateway 1's decision to "
+                         f"{first}", interval=0.1)
+        # Stats are merged from worker threads periodically: wait (bounded) for the count.
+        def taken() -> int:
+            r = K.http("GET", other["admin"] + "/stats?filter=kvroute.peer_holds", timeout=5)
+            return sum(int(v) for line in r.body.decode().splitlines()
+                       for k, _, v in [line.partition(": ")]
+                       if k.endswith("kvroute.peer_holds") and v.strip().isdigit())
+        K.wait_until(lambda: taken() >= 5, 10, "gateway 2 to count gateway 1's decisions "
+                     "(kvroute.peer_holds)")
+
     def test_metrics_down_or_slow_routing_goes_on(self):
         # Engine 2's /metrics hangs, then answers 503: the collector's scrape must neither stall
         # the index nor the filter. Cache routing and cold decisions go on.
@@ -812,6 +838,7 @@ def main() -> int:
                "test_two_envoys_share_load_through_the_collector",
                "test_two_gateways_both_keep_cold_requests_off_an_engine_busy_through_one",
                "test_speculative_entry_routes_a_sibling_then_expires",
+               "test_a_sibling_through_another_gateway_follows_a_prompt_just_sent",
                "test_metrics_down_or_slow_routing_goes_on",
                "test_full_engine_queue_gets_no_cold_request",
                "test_an_engine_down_stops_receiving_traffic_and_comes_back"])

@@ -32,8 +32,9 @@
 //! that has not yet reached `S` answers an empty page in the reader's own epoch and cursor:
 //! nothing new, ask again.
 //!
-//! # Wire format, version 3 (versions 1 and 2 are still read: 2 is 3 without op 7 and flag
-//! `HANDOVER`, 1 is 2 without op 6; a page is written in the lowest version that carries it)
+//! # Wire format, version 4 (versions 1 to 3 are still read: 3 is 4 without op 8, 2 is 3
+//! without op 7 and flag `HANDOVER`, 1 is 2 without op 6; a page is written in the lowest
+//! version that carries it)
 //!
 //! All integers little-endian; `varint` is LEB128 (at most 10 bytes); `str` is a varint length
 //! and UTF-8 bytes, at most [`MAX_STR`] long.
@@ -56,12 +57,22 @@
 //!               engine u8 (0 none, 1 fresh, 2 stale), then unless none: waiting varint,
 //!               running varint, kv_permille varint (<= 1000), age_ms varint
 //!   7 Stream    stream u64, seq varint (v3)
+//!   8 Held      worker varint, shard varint, key u64, blocks varint (>= 1), ttl_ms varint (v4)
 //! ```
 //!
 //! `Load` ops are not index changes: the collector appends one per worker with fleet load to
 //! every page it serves, computed at serve time (the fleet's in-flight totals over all
 //! gateways' `POST /v1/load` reports, and the engine's own last `/metrics` sample). They are
 //! never in its log, so a reader takes the latest as the current picture.
+//!
+//! `Held` ops (version 4, for a reader that names itself with `gateway=ID`) are another
+//! gateway's recent decisions: that gateway sent a request whose prompt's first `blocks`
+//! blocks end in `key` to `worker`, and counts the worker as holding them for `ttl_ms` more
+//! (its speculative table, `shard` of it). Gateways post them with their load reports; the
+//! collector hands each to every other gateway once. A reader adds them to its own
+//! speculative table, so a sibling prompt arriving through another gateway before the
+//! engine's KV events follows the first (Dynamo's router replicas share their active
+//! sequences for the same reason). Never logged, like `Load`.
 //!
 //! Block removals are already expanded by the collector's cascade: a removed block arrives
 //! with every descendant the worker lost with it, so the reader never walks a tree. A worker
@@ -85,7 +96,7 @@ pub const REPLICA_HEADER: &str = "x-kvroute-replica";
 /// The first four bytes of every page.
 pub const MAGIC: [u8; 4] = *b"KVRF";
 /// The newest format version this code reads and writes.
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 /// The oldest format version this code still reads.
 pub const MIN_VERSION: u8 = 1;
 /// Longest string the format carries (instance ids, addresses, names).
@@ -177,6 +188,21 @@ pub enum Op {
     /// collector's stream and the last stream sequence whose changes are all before the
     /// cursor. Not an index change; appended when served, like `Load`.
     Stream(StreamMark),
+    /// Another gateway's recent decision (version 4; see the module's `Held`): `worker`
+    /// taken to hold the blocks up to `key`, `blocks` of them, for `ttl_ms`. Appended when
+    /// served, like `Load`.
+    Held {
+        /// The worker the request went to.
+        worker: WorkerId,
+        /// The speculative table shard the prompt belongs to (by its first block).
+        shard: u32,
+        /// The key of the prompt's first `blocks` blocks.
+        key: BlockKey,
+        /// How many leading blocks `key` covers (at least 1).
+        blocks: u32,
+        /// How long the holder counts as holding them from now, ms.
+        ttl_ms: u32,
+    },
 }
 
 /// A position in the event stream a collector builds its index from.
@@ -211,6 +237,7 @@ impl Op {
             Op::Blocks { keys, .. } => 10 + 2 + 10 + 8 * keys.len(),
             Op::Load { .. } => 4 * 10 + 1 + 4 * 10,
             Op::Stream(_) => 8 + 10,
+            Op::Held { .. } => 3 * 10 + 8 + 10,
         }
     }
 }
@@ -298,8 +325,9 @@ impl Page {
 
     /// The lowest format version that carries this page.
     fn version(&self) -> u8 {
-        let v3 = self.is_handover() || self.ops.iter().any(|o| matches!(o, Op::Stream(_)));
-        if v3 {
+        if self.ops.iter().any(|o| matches!(o, Op::Held { .. })) {
+            4
+        } else if self.is_handover() || self.ops.iter().any(|o| matches!(o, Op::Stream(_))) {
             3
         } else {
             2
@@ -402,6 +430,20 @@ impl Page {
                     out.push(7);
                     out.extend_from_slice(&m.stream.to_le_bytes());
                     put_varint(out, m.seq);
+                }
+                Op::Held {
+                    worker,
+                    shard,
+                    key,
+                    blocks,
+                    ttl_ms,
+                } => {
+                    out.push(8);
+                    put_varint(out, worker.0 as u64);
+                    put_varint(out, *shard as u64);
+                    out.extend_from_slice(&key.0.to_le_bytes());
+                    put_varint(out, (*blocks).max(1) as u64);
+                    put_varint(out, *ttl_ms as u64);
                 }
             }
         }
@@ -593,6 +635,26 @@ impl Page {
                     stream: r.u64()?,
                     seq: r.varint()?,
                 }),
+                8 if version >= 4 => {
+                    let worker = WorkerId(r.u32_varint()?);
+                    let shard = r.u32_varint()?;
+                    let key = BlockKey(r.u64()?);
+                    let at = r.position();
+                    let blocks = r.u32_varint()?;
+                    if blocks == 0 {
+                        return Err(FeedError::Value {
+                            at,
+                            what: "held blocks 0",
+                        });
+                    }
+                    Op::Held {
+                        worker,
+                        shard,
+                        key,
+                        blocks,
+                        ttl_ms: r.u32_varint()?,
+                    }
+                }
                 tag => return Err(FeedError::Tag { tag, at }),
             };
             ops.push(op);
@@ -709,6 +771,20 @@ mod tests {
                     }
                 }),
             (1u64.., any::<u64>()).prop_map(|(stream, seq)| Op::Stream(StreamMark { stream, seq })),
+            (
+                any::<u32>(),
+                any::<u32>(),
+                any::<u64>(),
+                1u32..,
+                any::<u32>()
+            )
+                .prop_map(|(w, shard, key, blocks, ttl_ms)| Op::Held {
+                    worker: WorkerId(w),
+                    shard,
+                    key: BlockKey(key),
+                    blocks,
+                    ttl_ms,
+                }),
         ]
     }
 
@@ -827,6 +903,48 @@ mod tests {
         assert!(matches!(
             Page::decode(&old),
             Err(FeedError::Tag { tag: 7, .. })
+        ));
+        let booked = Op::Held {
+            worker: WorkerId(2),
+            shard: 5,
+            key: BlockKey(99),
+            blocks: 4,
+            ttl_ms: 1500,
+        };
+        let shared = Page::append_ops(&marked, std::slice::from_ref(&booked)).unwrap();
+        assert_eq!(shared[4], 4);
+        assert_eq!(Page::decode(&shared).unwrap().ops.last(), Some(&booked));
+        let mut old = shared.clone();
+        old[4] = 3;
+        assert!(matches!(
+            Page::decode(&old),
+            Err(FeedError::Tag { tag: 8, .. })
+        ));
+    }
+
+    #[test]
+    fn a_booking_of_no_blocks_is_refused() {
+        let mut bytes = Page {
+            ops: vec![Op::Held {
+                worker: WorkerId(0),
+                shard: 0,
+                key: BlockKey(1),
+                blocks: 1,
+                ttl_ms: 0,
+            }],
+            ..Page::default()
+        }
+        .to_bytes();
+        // Tag, worker, shard, key (8), then the block count.
+        let at = bytes.len() - 2;
+        assert_eq!(bytes[at], 1);
+        bytes[at] = 0;
+        assert!(matches!(
+            Page::decode(&bytes),
+            Err(FeedError::Value {
+                what: "held blocks 0",
+                ..
+            })
         ));
     }
 

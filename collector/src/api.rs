@@ -336,7 +336,9 @@ async fn feed(
         Some(Ok(id)) => Some(id),
         Some(Err(e)) => return Err(ApiError::new(StatusCode::BAD_REQUEST, e.to_string())),
     };
-    let bytes = with_served_ops(&state, bytes, reader.as_ref(), mark);
+    // Other gateways' decisions only for a reader that names itself and reads version 4.
+    let holds = p.v.is_some_and(|v| v >= 4);
+    let bytes = with_served_ops(&state, bytes, reader.as_ref(), holds, mark);
     state
         .metrics
         .feed_requests
@@ -407,17 +409,19 @@ fn page_cursor(page: &[u8]) -> u64 {
         .map_or(0, u64::from_le_bytes)
 }
 
-/// Appends what is computed when a page is served: the fleet's load and, for version-3
-/// readers on a stream, the page's stream position.
+/// Appends what is computed when a page is served: the fleet's load, with `holds` the other
+/// gateways' decisions the reader has not been handed yet, and, for version-3 readers on a
+/// stream, the page's stream position.
 fn with_served_ops(
     state: &AppState,
     page: Bytes,
     reader: Option<&GatewayId>,
+    holds: bool,
     mark: Option<StreamMark>,
 ) -> Bytes {
     let now = Instant::now();
-    let mut ops: Vec<kvroute::feed::Op> = state
-        .fleet()
+    let mut fleet = state.fleet();
+    let mut ops: Vec<kvroute::feed::Op> = fleet
         .totals_for(now, reader)
         .into_iter()
         .map(|t| kvroute::feed::Op::Load {
@@ -432,6 +436,18 @@ fn with_served_ops(
             }),
         })
         .collect();
+    if let Some(reader) = reader.filter(|_| holds) {
+        let held = fleet.holds_for(reader, now);
+        state.metrics.feed_held.inc_by(held.len() as u64);
+        ops.extend(held.into_iter().map(|h| kvroute::feed::Op::Held {
+            worker: h.worker,
+            shard: h.shard,
+            key: kvroute::scope::BlockKey(h.key),
+            blocks: h.blocks,
+            ttl_ms: h.ttl_ms,
+        }));
+    }
+    drop(fleet);
     ops.extend(mark.map(kvroute::feed::Op::Stream));
     if ops.is_empty() {
         return page;

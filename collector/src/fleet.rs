@@ -9,10 +9,16 @@
 //! not linger. The engines' `/metrics` (see `scrape.rs`) add what the engines themselves
 //! count, which heals the gateways' drift.
 //!
+//! Reports also carry each gateway's recent routing decisions (`held`: a worker taken to hold
+//! a prompt's first blocks, see `kvroute::router::own_holds`). The collector keeps them for
+//! their time-to-live and hands each to every *other* live gateway once, on its next feed
+//! page ([`Fleet::holds_for`]), so a sibling prompt reaching another gateway follows the
+//! first before the engine's KV events arrive.
+//!
 //! Pure state, no I/O and no lock: the caller holds it behind a mutex and passes the clock in,
 //! which keeps it testable and lets the feed call [`Fleet::totals`] directly.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvroute::event::WorkerId;
@@ -27,6 +33,13 @@ pub const MAX_GATEWAY_ID_BYTES: usize = 128;
 pub const MAX_REQUESTS: i64 = 1_000_000;
 /// Most in-flight tokens (prefill or decode) one gateway may report for one worker.
 pub const MAX_TOKENS: i64 = 1_000_000_000;
+/// Most `held` entries in one report (a gateway's new decisions since its last report, a few
+/// stored depths each).
+pub const MAX_HELD_PER_REPORT: usize = 1024;
+/// Longest time-to-live a `held` entry may ask for, ms.
+pub const MAX_HELD_TTL_MS: u32 = 60_000;
+/// Most `held` entries kept for the other gateways; past it the oldest go first.
+pub const MAX_HELD: usize = 16_384;
 
 /// A gateway replica's id, as it names itself in its reports.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -89,6 +102,10 @@ pub struct LoadReport {
     /// Optional: the filter's text counters, cumulative (`text_approximate`).
     #[serde(default)]
     pub text: Option<crate::alarm::TextCounts>,
+    /// Optional: the gateway's routing decisions since its last report, passed on to the
+    /// other gateways (feed op `Held`).
+    #[serde(default)]
+    pub held: Vec<HeldReport>,
     /// Set on a report another collector relayed: the feed epoch its counters were counted in
     /// (that collector's). Never read from a request body.
     #[serde(skip)]
@@ -112,6 +129,18 @@ pub struct WorkerReport {
     /// Optional, cumulative: the prompt tokens of those requests.
     #[serde(default)]
     pub routed_prompt_tokens: Option<u64>,
+}
+
+/// One entry of a report's `held`: the gateway sent a request whose prompt's first `blocks`
+/// blocks end in `key` to `worker`, and counts it as holding them for `ttl_ms` more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldReport {
+    pub worker: u32,
+    /// The gateway's speculative table shard (passed through, not interpreted).
+    pub shard: u32,
+    pub key: u64,
+    pub blocks: u32,
+    pub ttl_ms: u32,
 }
 
 /// Why a report was refused. Nothing changes when one is.
@@ -150,6 +179,10 @@ pub enum LoadError {
         predicted: u64,
         routed: u64,
     },
+    #[error("{0} held entries, more than the {MAX_HELD_PER_REPORT} a report may carry")]
+    TooManyHeld(usize),
+    #[error("held entry {index}: {what}")]
+    Held { index: usize, what: &'static str },
 }
 
 impl LoadError {
@@ -165,6 +198,8 @@ impl LoadError {
             LoadError::Absurd { .. } => "absurd",
             LoadError::TooManyGateways { .. } => "too_many_gateways",
             LoadError::PredictedOverRouted { .. } => "predicted_over_routed",
+            LoadError::TooManyHeld(_) => "too_many_held",
+            LoadError::Held { .. } => "held",
         }
     }
 }
@@ -223,6 +258,30 @@ impl Default for FleetConfig {
 struct GatewayLoad {
     at: Instant,
     loads: Vec<(WorkerId, LoadCounts)>,
+    /// The sequence number of the first `held` entry this gateway has not been handed.
+    held_from: u64,
+}
+
+/// A gateway's decision kept for the others.
+#[derive(Clone, Debug)]
+struct Held {
+    seq: u64,
+    from: GatewayId,
+    worker: WorkerId,
+    shard: u32,
+    key: u64,
+    blocks: u32,
+    expires: Instant,
+}
+
+/// A `held` entry as handed to a reader: what is left of its time-to-live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldFor {
+    pub worker: WorkerId,
+    pub shard: u32,
+    pub key: u64,
+    pub blocks: u32,
+    pub ttl_ms: u32,
 }
 
 /// The last report of every live gateway and the last sample of every scraped worker.
@@ -232,6 +291,9 @@ pub struct Fleet {
     gateways: HashMap<GatewayId, GatewayLoad>,
     engines: HashMap<WorkerId, EngineSample>,
     truth: Truth,
+    /// Every gateway's recent decisions, in arrival order.
+    held: VecDeque<Held>,
+    next_held: u64,
 }
 
 impl Fleet {
@@ -241,6 +303,8 @@ impl Fleet {
             gateways: HashMap::new(),
             engines: HashMap::new(),
             truth: Truth::new(config.truth),
+            held: VecDeque::new(),
+            next_held: 0,
         }
     }
 
@@ -330,18 +394,91 @@ impl Fleet {
                 truth.push((WorkerId(w.worker), p, r));
             }
         }
-        if !self.gateways.contains_key(&id) && self.gateways.len() >= self.config.max_gateways {
-            return Err(LoadError::TooManyGateways {
-                max: self.config.max_gateways,
-            });
+        if report.held.len() > MAX_HELD_PER_REPORT {
+            return Err(LoadError::TooManyHeld(report.held.len()));
         }
+        for (index, h) in report.held.iter().enumerate() {
+            let what = if h.blocks == 0 {
+                "blocks is 0"
+            } else if h.ttl_ms > MAX_HELD_TTL_MS {
+                "ttl_ms over 60000"
+            } else {
+                continue;
+            };
+            return Err(LoadError::Held { index, what });
+        }
+        let held_from = match self.gateways.get(&id) {
+            Some(g) => g.held_from,
+            None if self.gateways.len() >= self.config.max_gateways => {
+                return Err(LoadError::TooManyGateways {
+                    max: self.config.max_gateways,
+                })
+            }
+            // A new gateway is handed what is still live.
+            None => 0,
+        };
         let source = match report.relayed_epoch {
             Some(epoch) => crate::truth::Source { epoch, own: false },
             None => crate::truth::Source { epoch, own: true },
         };
         self.truth.note_report(id.as_str(), source, &truth, now);
-        self.gateways.insert(id, GatewayLoad { at: now, loads });
+        // A decision for a worker gone since is dropped, not refused: it raced the
+        // unregistration, and the report's load must not be lost for it.
+        for h in report.held.iter().filter(|h| is_worker(WorkerId(h.worker))) {
+            self.held.push_back(Held {
+                seq: self.next_held,
+                from: id.clone(),
+                worker: WorkerId(h.worker),
+                shard: h.shard,
+                key: h.key,
+                blocks: h.blocks,
+                expires: now + Duration::from_millis(h.ttl_ms.into()),
+            });
+            self.next_held += 1;
+        }
+        while self.held.len() > MAX_HELD {
+            self.held.pop_front();
+        }
+        self.gateways.insert(
+            id,
+            GatewayLoad {
+                at: now,
+                loads,
+                held_from,
+            },
+        );
         Ok(())
+    }
+
+    /// The other gateways' decisions `reader` has not been handed yet and that are still
+    /// live, each once: the next call hands only newer ones. Nothing for a reader that has
+    /// not reported (the collector keeps no place for it).
+    pub fn holds_for(&mut self, reader: &GatewayId, now: Instant) -> Vec<HeldFor> {
+        // Entries expire in about arrival order (one time-to-live per gateway).
+        while self.held.front().is_some_and(|h| h.expires <= now) {
+            self.held.pop_front();
+        }
+        let next = self.next_held;
+        let Some(g) = self.gateways.get_mut(reader) else {
+            return Vec::new();
+        };
+        let from = std::mem::replace(&mut g.held_from, next);
+        let start = self.held.partition_point(|h| h.seq < from);
+        self.held
+            .range(start..)
+            .filter(|h| h.from != *reader && h.expires > now)
+            .map(|h| HeldFor {
+                worker: h.worker,
+                shard: h.shard,
+                key: h.key,
+                blocks: h.blocks,
+                ttl_ms: h
+                    .expires
+                    .saturating_duration_since(now)
+                    .as_millis()
+                    .min(u32::MAX.into()) as u32,
+            })
+            .collect()
     }
 
     /// Drops the gateways silent for longer than the timeout; returns how many.
@@ -400,6 +537,7 @@ impl Fleet {
         for id in ids {
             self.engines.remove(id);
         }
+        self.held.retain(|h| !ids.contains(&h.worker));
         self.truth.forget_workers(ids);
     }
 
@@ -514,12 +652,113 @@ mod tests {
             contract: None,
             feed_lag_ms: None,
             text: None,
+            held: Vec::new(),
             relayed_epoch: None,
         }
     }
 
     fn known(w: WorkerId) -> bool {
         w.0 < 4
+    }
+
+    fn held(worker: u32, key: u64, ttl_ms: u32) -> HeldReport {
+        HeldReport {
+            worker,
+            shard: 1,
+            key,
+            blocks: 2,
+            ttl_ms,
+        }
+    }
+
+    #[test]
+    fn each_gateway_is_handed_the_others_decisions_once() {
+        let mut f = Fleet::new(FleetConfig::default());
+        let t = Instant::now();
+        let (a, b, c) = (
+            GatewayId::new("a").unwrap(),
+            GatewayId::new("b").unwrap(),
+            GatewayId::new("c").unwrap(),
+        );
+        let with = |gw: &str, held: Vec<HeldReport>| LoadReport {
+            held,
+            ..report(gw, 1, &[])
+        };
+        f.report(&with("b", vec![]), 1, known, 4, t).unwrap();
+        f.report(
+            &with("a", vec![held(1, 10, 1000), held(2, 11, 100)]),
+            1,
+            known,
+            4,
+            t,
+        )
+        .unwrap();
+        // Never its own; a reader that has not reported gets nothing.
+        assert!(f.holds_for(&a, t).is_empty());
+        assert!(f.holds_for(&c, t).is_empty());
+        let ms = Duration::from_millis;
+        let got = f.holds_for(&b, t + ms(50));
+        assert_eq!(
+            got.iter()
+                .map(|h| (h.worker, h.key, h.ttl_ms))
+                .collect::<Vec<_>>(),
+            [(WorkerId(1), 10, 950), (WorkerId(2), 11, 50)]
+        );
+        assert!(f.holds_for(&b, t + ms(60)).is_empty(), "handed once");
+        f.report(&with("a", vec![held(3, 12, 1000)]), 1, known, 4, t + ms(70))
+            .unwrap();
+        // b's report keeps its place; an expired entry is not handed.
+        f.report(&with("b", vec![]), 1, known, 4, t + ms(80))
+            .unwrap();
+        let got = f.holds_for(&b, t + ms(200));
+        assert_eq!(got.iter().map(|h| h.key).collect::<Vec<_>>(), [12]);
+        // A gateway that starts reporting now gets what is still live; an unregistered
+        // worker's entries are gone.
+        f.forget_workers(&[WorkerId(3)]);
+        f.report(&with("c", vec![]), 1, known, 4, t + ms(210))
+            .unwrap();
+        let got = f.holds_for(&c, t + ms(220));
+        assert_eq!(got.iter().map(|h| h.key).collect::<Vec<_>>(), [10]);
+    }
+
+    #[test]
+    fn bad_held_entries_refuse_the_report() {
+        let mut f = Fleet::new(FleetConfig::default());
+        let t = Instant::now();
+        let with = |held: Vec<HeldReport>| LoadReport {
+            held,
+            ..report("a", 1, &[(1, 1, 1, 1)])
+        };
+        let err = |held| f_report(&mut Fleet::new(FleetConfig::default()), with(held), t);
+        assert_eq!(
+            err(vec![held(1, 1, 10), held(1, 2, 60_001)]).unwrap_err(),
+            LoadError::Held {
+                index: 1,
+                what: "ttl_ms over 60000"
+            }
+        );
+        let zero = HeldReport {
+            blocks: 0,
+            ..held(1, 1, 10)
+        };
+        assert_eq!(err(vec![zero]).unwrap_err().reason(), "held");
+        let many = vec![held(1, 1, 10); MAX_HELD_PER_REPORT + 1];
+        assert_eq!(
+            err(many).unwrap_err(),
+            LoadError::TooManyHeld(MAX_HELD_PER_REPORT + 1)
+        );
+        // Nothing of a refused report is kept.
+        assert!(f_report(&mut f, with(vec![held(1, 1, 60_001)]), t).is_err());
+        assert_eq!(f.gateways(t), 0);
+        // A decision for a worker no longer registered is dropped; the report stands.
+        f_report(&mut f, with(vec![held(9, 1, 10), held(2, 3, 10)]), t).unwrap();
+        f.report(&report("b", 1, &[]), 1, known, 4, t).unwrap();
+        let got = f.holds_for(&GatewayId::new("b").unwrap(), t);
+        assert_eq!(got.iter().map(|h| h.key).collect::<Vec<_>>(), [3]);
+    }
+
+    fn f_report(f: &mut Fleet, r: LoadReport, t: Instant) -> Result<(), LoadError> {
+        f.report(&r, 1, known, 4, t)
     }
 
     #[test]

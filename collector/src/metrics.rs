@@ -139,6 +139,8 @@ pub struct Metrics {
     pub feed_requests: Family<FeedLabels, Counter>,
     /// Bytes served by `/v1/feed`.
     pub feed_bytes: Counter,
+    /// Other gateways' routing decisions handed to gateways on their feed pages (op `Held`).
+    pub feed_held: Counter,
     /// Engine connections libzmq dropped for a protocol error (a frame over
     /// `--max-zmq-message-bytes`, malformed ZMTP), by worker.
     pub zmq_protocol_errors: Family<WorkerLabels, Counter>,
@@ -256,6 +258,7 @@ impl Metrics {
             query_seconds: Family::new_with_constructor(query_histogram as fn() -> Histogram),
             feed_requests: Family::default(),
             feed_bytes: Counter::default(),
+            feed_held: Counter::default(),
             zmq_protocol_errors: Family::default(),
             http_connections_refused: Counter::default(),
             http_connections_shed: Counter::default(),
@@ -374,6 +377,11 @@ impl Metrics {
             "feed_bytes",
             "Bytes served by /v1/feed",
             m.feed_bytes.clone(),
+        );
+        registry.register(
+            "feed_held",
+            "Other gateways' routing decisions handed to gateways on their feed pages",
+            m.feed_held.clone(),
         );
         registry.register(
             "zmq_protocol_errors",

@@ -379,3 +379,69 @@ async fn a_gateway_reads_the_feed_totals_without_its_own_report() {
     let v: Value = r.json().await.unwrap();
     assert!(v["error"].as_str().unwrap().contains("gateway"), "{v}");
 }
+
+/// The `Held` ops of a `/v1/feed` answer: `(worker, shard, key, blocks)`.
+async fn feed_held(c: &Collector, query: &str) -> Vec<(u32, u32, u64, u32)> {
+    let r = c
+        .http
+        .get(format!("{}/v1/feed{query}", c.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let page = kvroute::feed::Page::decode(&r.bytes().await.unwrap()).unwrap();
+    page.ops
+        .iter()
+        .filter_map(|op| match op {
+            kvroute::feed::Op::Held {
+                worker,
+                shard,
+                key,
+                blocks,
+                ttl_ms,
+            } => {
+                assert!((1..=5000).contains(ttl_ms), "{ttl_ms}");
+                Some((worker.0, *shard, key.0, *blocks))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// A gateway's `held` decisions reach every other gateway once, on a version-4 feed page
+/// that names the reader; never the gateway itself, a version-3 reader or an anonymous one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateways_decisions_reach_the_other_gateways_once() {
+    let (c, a, b, epoch) = two_workers(&[]).await;
+    let held = |worker: u32, key: u64| json!({"worker": worker, "shard": 3, "key": key, "blocks": 4, "ttl_ms": 5000});
+    let (s, _) = c.post_load(report("gw-2", epoch, vec![])).await;
+    assert_eq!(s, StatusCode::OK);
+    let mut r1 = report("gw-1", epoch, vec![entry(a, 1, 64, 0)]);
+    // A u64 key above 2^53 survives JSON.
+    r1["held"] = json!([held(a, u64::MAX - 7), held(b, 12), held(999, 13)]);
+    let (s, v) = c.post_load(r1).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!(
+        feed_held(&c, "?v=4&gateway=gw-1").await.is_empty(),
+        "not its own"
+    );
+    assert!(
+        feed_held(&c, "?v=3&gateway=gw-2").await.is_empty(),
+        "version 3"
+    );
+    assert!(feed_held(&c, "?v=4").await.is_empty(), "anonymous");
+    // The unregistered worker 999's decision was dropped, not the report.
+    assert_eq!(
+        feed_held(&c, "?v=4&gateway=gw-2").await,
+        [(a, 3, u64::MAX - 7, 4), (b, 3, 12, 4)]
+    );
+    assert!(feed_held(&c, "?v=4&gateway=gw-2").await.is_empty(), "once");
+    let metrics = c.metrics().await;
+    assert_eq!(counter(&metrics, "kvroute_feed_held_total"), 2.0);
+    // A bad entry refuses the whole report, with JSON.
+    let mut bad = report("gw-1", epoch, vec![]);
+    bad["held"] = json!([{"worker": a, "shard": 0, "key": 1, "blocks": 0, "ttl_ms": 10}]);
+    let (s, v) = c.post_load(bad).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(v["error"].as_str().unwrap().contains("held entry 0"), "{v}");
+}

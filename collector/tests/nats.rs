@@ -737,10 +737,42 @@ async fn gateway_load_reports_reach_every_replica() {
         until_load(c, "a", 5, 500).await;
         until_load(c, "b", 1, 10).await;
     }
-    // A new report replaces the gateway's last one everywhere.
-    post_load(&ingest, "g1", "a", 0, 0).await;
+    // A new report replaces the gateway's last one everywhere. It carries a decision for
+    // a, named by the ingest's worker id: the replica hands it to g2 under its own id.
+    let (epoch, _) = fleet_load(&ingest).await;
+    let r1 = reqwest::Client::new()
+        .post(format!("http://{}/v1/load", ingest.addr))
+        .json(&serde_json::json!({
+            "gateway": "g1", "epoch": epoch, "workers": [],
+            "held": [{"worker": wi["a"].0, "shard": 2, "key": 77, "blocks": 3, "ttl_ms": 5000}],
+        }))
+        .send()
+        .await
+        .expect("POST /v1/load");
+    assert!(r1.status().is_success());
     until_load(&r, "a", 2, 200).await;
     assert!(r.bus_count("in", "load_applied") >= 2);
+    let page = reqwest::get(format!("http://{}/v1/feed?v=4&gateway=g2", r.addr))
+        .await
+        .expect("GET /v1/feed")
+        .bytes()
+        .await
+        .expect("feed page");
+    let held: Vec<_> = kvroute::feed::Page::decode(&page)
+        .expect("a feed page")
+        .ops
+        .into_iter()
+        .filter_map(|op| match op {
+            kvroute::feed::Op::Held {
+                worker,
+                key,
+                blocks,
+                ..
+            } => Some((u64::from(worker.0), key.0, blocks)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(held, [(wr["a"].0, 77, 3)]);
     r.stop().await;
     ingest.stop().await;
 }

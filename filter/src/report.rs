@@ -49,6 +49,18 @@ struct Report<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     feed_lag_ms: Option<u64>,
     text: TextCounts,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    held: Vec<HeldReport>,
+}
+
+/// One of this gateway's speculative entries, passed on to the other gateways.
+#[derive(Serialize)]
+struct HeldReport {
+    worker: u32,
+    shard: u32,
+    key: u64,
+    blocks: u32,
+    ttl_ms: u32,
 }
 
 #[derive(Serialize)]
@@ -279,9 +291,13 @@ pub fn gateway_id(vm: &Vm) -> Option<String> {
 /// The counts of a report sent: `(worker slot, counts)`.
 pub type Sent = Vec<(u32, Counts)>;
 
+/// Most speculative entries one report passes on (the collector takes up to 1,024).
+const MAX_HELD: usize = 1024;
+
 /// Sends the report to `cluster` (the one the feed is pulled from: the totals come back in
-/// its pages); returns the callout token and the counts sent.
-pub fn send(vm: &Vm, cluster: &str, now: u64) -> Option<(u32, Sent)> {
+/// its pages), with the own speculative entries expiring after `holds_after`; returns the
+/// callout token and the counts sent.
+pub fn send(vm: &Vm, cluster: &str, now: u64, holds_after: u64) -> Option<(u32, Sent)> {
     let cfg = vm.config();
     let state = mirror::read_state(&HostStore, &vm.keys).ok()?.0;
     if !state.has_index {
@@ -356,6 +372,22 @@ pub fn send(vm: &Vm, cluster: &str, now: u64) -> Option<(u32, Sent)> {
         }
     }
     workers.sort_by_key(|w| w.worker);
+    let held = if cfg.speculative_ttl.is_zero() {
+        Vec::new()
+    } else {
+        kvroute::router::own_holds(&HostStore, &vm.keys, holds_after, now, MAX_HELD)
+    };
+    let held = held
+        .into_iter()
+        .filter(|h| h.slot < cfg.limits.max_workers)
+        .map(|h| HeldReport {
+            worker: h.slot,
+            shard: h.shard,
+            key: h.key.0,
+            blocks: h.blocks,
+            ttl_ms: h.ttl_ms,
+        })
+        .collect();
     let text = &vm.metrics.text;
     let body = Report {
         gateway: &gateway,
@@ -371,6 +403,7 @@ pub fn send(vm: &Vm, cluster: &str, now: u64) -> Option<(u32, Sent)> {
             no_tokenizer: metric(text.no_tokenizer),
             exact_errors: metric(text.exact_errors),
         },
+        held,
     };
     let body = serde_json::to_vec(&body).ok()?;
     let auth = cfg.read_token.as_ref().map(|t| format!("Bearer {t}"));

@@ -31,6 +31,9 @@ pub(crate) struct Root {
     /// The `/v1/load` report in flight: its token, when it was sent (ms), and what it said
     /// (stored as this gateway's share of the fleet once accepted).
     report: Option<(u32, u64, Sent)>,
+    /// The last load report's time plus the speculative time-to-live: own speculative
+    /// entries expiring after it were written since, and go in the next report.
+    holds_after: u64,
     /// Block holds applied in the current tick.
     blocks_this_tick: u64,
     ticks: Cell<u64>,
@@ -50,6 +53,7 @@ impl Root {
             feed_cluster: 0,
             feed_failures: 0,
             report: None,
+            holds_after: 0,
             blocks_this_tick: 0,
             ticks: Cell::new(0),
             last_error_log_ms: 0,
@@ -184,6 +188,7 @@ impl Root {
         crate::report::take_fleet(vm, &page, now, self.totals_exclude_own, replica);
         match mirror::apply_page(&HostStore, &vm.keys, &cfg.limits, &page, now) {
             Ok(applied) => {
+                self.take_peer_holds(vm, &page, now);
                 self.blocks_this_tick += applied.stats.blocks;
                 host::increment_metric(vm.metrics.bucket_full, applied.stats.bucket_full as i64);
                 if applied.handover {
@@ -219,6 +224,32 @@ impl Root {
         self.report_lag(vm);
     }
 
+    /// Adds the other gateways' decisions a page carries (op `Held`) to the speculative
+    /// table, when their worker slots are those of the index this gateway routes on.
+    fn take_peer_holds(&self, vm: &Vm, page: &Page, now: u64) {
+        if vm.config().speculative_ttl.is_zero()
+            || !page
+                .ops
+                .iter()
+                .any(|o| matches!(o, kvroute::feed::Op::Held { .. }))
+        {
+            return;
+        }
+        let routed_on = mirror::read_state(&HostStore, &vm.keys)
+            .ok()
+            .filter(|(s, _)| s.has_index && s.epoch == page.epoch);
+        if routed_on.is_none() {
+            return;
+        }
+        match kvroute::router::take_peer_holds(&HostStore, &vm.keys, &page.ops, now) {
+            Ok(t) => {
+                host::increment_metric(vm.metrics.peer_holds, t.stored.into());
+                host::increment_metric(vm.metrics.speculative_evictions, t.evicted.into());
+            }
+            Err(e) => log::debug!("kvroute: other gateways' decisions not stored: {e}"),
+        }
+    }
+
     /// Posts this Envoy's in-flight counts, one report at a time.
     fn send_report(&mut self, vm: &Vm, now: u64) {
         let cfg = vm.config();
@@ -230,8 +261,16 @@ impl Root {
                 return;
             }
         }
-        self.report =
-            crate::report::send(vm, self.feed_cluster(cfg), now).map(|(t, r)| (t, now, r));
+        let holds_after = self.holds_after;
+        self.report = crate::report::send(vm, self.feed_cluster(cfg), now, holds_after)
+            .map(|(t, r)| (t, now, r));
+        if self.report.is_some() {
+            // Less a millisecond: an entry written later in this same one is sent twice
+            // rather than never.
+            self.holds_after = now
+                .saturating_add(millis(cfg.speculative_ttl))
+                .saturating_sub(1);
+        }
     }
 
     fn report_lag(&self, vm: &Vm) {

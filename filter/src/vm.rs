@@ -29,6 +29,8 @@ pub(crate) struct Metrics {
     /// Feed cursors taken over by another collector of the same stream (no snapshot).
     pub handovers: Option<u32>,
     pub speculative_evictions: Option<u32>,
+    /// Other gateways' decisions added to the speculative table (feed op `Held`).
+    pub peer_holds: Option<u32>,
     pub load_reports: Option<u32>,
     pub load_report_errors: Option<u32>,
     pub leaks_repaired: Option<u32>,
@@ -75,6 +77,7 @@ impl Metrics {
             resyncs: c("kvroute.resyncs"),
             handovers: c("kvroute.feed_handovers"),
             speculative_evictions: c("kvroute.speculative_evictions"),
+            peer_holds: c("kvroute.peer_holds"),
             load_reports: c("kvroute.load_reports"),
             load_report_errors: c("kvroute.load_report_errors"),
             leaks_repaired: c("kvroute.leaks_repaired"),

@@ -473,3 +473,76 @@ fn the_report_carries_predicted_reuse_unknown_models_and_the_contract() {
     assert!(last["feed_lag_ms"].as_u64().unwrap() < 1000, "{last}");
     assert_eq!(last["text"]["approx"], 0);
 }
+
+/// The `Held` ops another gateway's report becomes at the collector (every `held` entry).
+fn held_ops(report: &serde_json::Value) -> Vec<Op> {
+    report["held"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|h| Op::Held {
+            worker: WorkerId(h["worker"].as_u64().unwrap() as u32),
+            shard: h["shard"].as_u64().unwrap() as u32,
+            key: kvroute::scope::BlockKey(h["key"].as_u64().unwrap()),
+            blocks: h["blocks"].as_u64().unwrap() as u32,
+            ttl_ms: h["ttl_ms"].as_u64().unwrap() as u32,
+        })
+        .collect()
+}
+
+/// Gateway 1's decision reaches gateway 2 through the report and the feed, before any KV
+/// event: a sibling prompt through gateway 2 follows it, and gateway 2 does not pass it back.
+#[test]
+fn a_decision_through_one_gateway_routes_a_sibling_through_another() {
+    let (mut gw1, feed1) = setup(json!({"load": {"gateway_id": "gw-1"}}));
+    let (r1, first) = hold(&mut gw1, 5000);
+    gw1.respond(r1, kvroute_host_test::Response::ok("x"));
+    sync(&mut gw1);
+    let report = feed1.reports().last().cloned().expect("a report");
+    let ops = held_ops(&report);
+    // Stored depths 1, 2 and 4 of the 64-token prompt, on the engine it went to.
+    let on = u32::from(first != A);
+    assert_eq!(ops.len(), 3, "{report}");
+    assert!(
+        ops.iter()
+            .all(|o| matches!(o, Op::Held { worker, ttl_ms, .. }
+            if worker.0 == on && (1000..=2000).contains(ttl_ms))),
+        "{ops:?}"
+    );
+    // Sent once: the next report has nothing new.
+    sync(&mut gw1);
+    let next = feed1.reports().last().cloned().expect("a report");
+    assert!(held_ops(&next).is_empty(), "{next}");
+
+    // Gateway 2 sees a request in flight on that engine through another gateway, so that a
+    // cold request goes to the other one.
+    let sibling: Vec<u32> = tokens(5000, 64)
+        .into_iter()
+        .chain(tokens(90_000, 64))
+        .collect();
+    let through_gw2 = |ops: &[Op]| {
+        let (mut gw2, feed2) = setup(json!({"load": {"gateway_id": "gw-2"}}));
+        feed2.set_fleet(vec![fleet(on, 1, 0, None)]);
+        for op in ops {
+            feed2.push(op.clone());
+        }
+        sync(&mut gw2);
+        sync(&mut gw2);
+        // What it took is not reported back.
+        let echoed = feed2.reports().iter().any(|r| !held_ops(r).is_empty());
+        (
+            complete(&mut gw2, "m", &sibling),
+            gw2.metric("kvroute.peer_holds"),
+            echoed,
+        )
+    };
+    let (o, taken, echoed) = through_gw2(&ops);
+    assert_eq!(best(&o), Some(first.as_str()), "{}", debug(&o));
+    assert!(debug(&o).contains("matched_tokens=64"), "{}", debug(&o));
+    assert_eq!(taken, Some(3));
+    assert!(!echoed);
+    // Without them the sibling is cold (no KV events anywhere) and goes by load.
+    let (o, _, _) = through_gw2(&[]);
+    assert!(debug(&o).contains("matched_tokens=0"), "{}", debug(&o));
+    assert_ne!(best(&o), Some(first.as_str()), "{}", debug(&o));
+}

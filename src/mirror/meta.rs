@@ -284,7 +284,7 @@ impl Meta {
                 self.aliases.push(a);
                 true
             }
-            Op::Blocks { .. } | Op::Load { .. } | Op::Stream(_) => false,
+            Op::Blocks { .. } | Op::Load { .. } | Op::Stream(_) | Op::Held { .. } => false,
         }
     }
 }

@@ -55,7 +55,9 @@ pub use load::{
     load_update_seen, rate_sample, Load, LoadDelta, LoadId, RateNote, RATE_SAMPLE_MIN_TOKENS,
 };
 pub use meta::{Alias, ApplyStats, Meta, WorkerSlot};
-pub use speculative::{spec_entry, spec_insert, spec_lookup, stored_depths, Insert, PROBE};
+pub use speculative::{
+    spec_entry, spec_insert, spec_lookup, spec_own_since, spec_share, stored_depths, Insert, PROBE,
+};
 pub use store::{update_value, MemStore, Store, StoreError};
 pub use sync::{
     acquire_lease, apply_page, next_vm_id, read_state, Applied, Build, Lease, SyncError, SyncState,

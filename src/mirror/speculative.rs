@@ -9,9 +9,13 @@
 //! probes [`PROBE`] entries from `key % capacity` and takes the same key, a free or expired
 //! entry, or else evicts the entry that expires first (counted by the caller).
 //!
+//! Entries are this gateway's own decisions or another gateway's, passed on by the collector
+//! (feed op `Booked`): [`spec_share`] marks the latter, so that only the former are reported
+//! ([`spec_own_since`]) and nothing echoes between gateways.
+//!
 //! # Layout
 //! `format u8`, then `capacity × (key u64, slot u32, blocks u32, expires_ms u64)`; key 0 is a
-//! free entry.
+//! free entry; the slot's top bit marks another gateway's entry.
 
 use crate::codec::le_u64;
 use crate::scope::BlockKey;
@@ -22,6 +26,8 @@ const ENTRY: usize = 24;
 /// Entries an insert or lookup probes.
 pub const PROBE: usize = 8;
 const FORMAT: u8 = LAYOUT_VERSION | 0x40;
+/// Slot bit of an entry another gateway booked (slots are far below it).
+const SHARED: u32 = 1 << 31;
 
 /// The depths (in blocks, 1-based) a prompt of `blocks` full blocks is stored at, ascending:
 /// 1, 2, 4, ... up to `blocks`, and `blocks` itself.
@@ -99,6 +105,35 @@ pub fn spec_insert(
     result
 }
 
+/// [`spec_insert`] for another gateway's decision: read like an own entry, never reported.
+pub fn spec_share(
+    table: &mut Vec<u8>,
+    cap: u32,
+    key: BlockKey,
+    slot: u32,
+    blocks: u32,
+    now_ms: u64,
+    ttl_ms: u64,
+) -> Insert {
+    spec_insert(table, cap, key, slot | SHARED, blocks, now_ms, ttl_ms)
+}
+
+/// This gateway's own live entries that expire after `after_ms`: `(key, slot, blocks,
+/// expires_ms)`. With one time-to-live for every entry, those written since `after_ms − ttl`.
+pub fn spec_own_since(
+    table: &[u8],
+    after_ms: u64,
+    now_ms: u64,
+) -> impl Iterator<Item = (BlockKey, u32, u32, u64)> + '_ {
+    (0..capacity(table)).filter_map(move |i| {
+        let e = 1 + i * ENTRY;
+        let (key, slot) = (le_u64(table, e), read_u32(table, e + 8));
+        let expires = le_u64(table, e + 16);
+        (key != 0 && slot & SHARED == 0 && expires > after_ms.max(now_ms))
+            .then(|| (BlockKey(key), slot, read_u32(table, e + 12), expires))
+    })
+}
+
 /// The live holder of `key`: `(slot, blocks)`.
 pub fn spec_lookup(table: &[u8], key: BlockKey, now_ms: u64) -> Option<(u32, u32)> {
     spec_entry(table, key, now_ms).map(|(slot, blocks, _)| (slot, blocks))
@@ -117,8 +152,8 @@ pub fn spec_entry(table: &[u8], key: BlockKey, now_ms: u64) -> Option<(u32, u32,
         let e = 1 + ((start + p) % cap) * ENTRY;
         if le_u64(table, e) == k {
             let expires = le_u64(table, e + 16);
-            return (expires > now_ms)
-                .then(|| (read_u32(table, e + 8), read_u32(table, e + 12), expires));
+            let slot = read_u32(table, e + 8) & !SHARED;
+            return (expires > now_ms).then(|| (slot, read_u32(table, e + 12), expires));
         }
     }
     None
@@ -169,6 +204,32 @@ mod tests {
             spec_insert(&mut t, 4, BlockKey(77), 0, 1, 1000, 100),
             Insert::Stored
         );
+    }
+
+    #[test]
+    fn only_own_entries_written_since_a_time_are_reported() {
+        let mut t = Vec::new();
+        spec_insert(&mut t, 8, BlockKey(1), 3, 1, 0, 100);
+        spec_insert(&mut t, 8, BlockKey(2), 3, 2, 50, 100);
+        spec_share(&mut t, 8, BlockKey(3), 4, 4, 60, 100);
+        // Shared entries read like own ones.
+        assert_eq!(spec_lookup(&t, BlockKey(3), 70), Some((4, 4)));
+        let own = |t: &[u8], after, now| spec_own_since(t, after, now).collect::<Vec<_>>();
+        assert_eq!(
+            own(&t, 0, 100),
+            [(BlockKey(2), 3, 2, 150)],
+            "key 1 expired, key 3 is another gateway's"
+        );
+        assert_eq!(own(&t, 0, 10).len(), 2);
+        assert_eq!(
+            own(&t, 120, 10),
+            [(BlockKey(2), 3, 2, 150)],
+            "written after 20"
+        );
+        assert!(own(&t, 150, 10).is_empty());
+        // An own decision over a shared entry makes it own again.
+        spec_insert(&mut t, 8, BlockKey(3), 1, 4, 70, 100);
+        assert_eq!(own(&t, 160, 70), [(BlockKey(3), 1, 4, 170)]);
     }
 
     #[test]

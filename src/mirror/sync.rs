@@ -132,7 +132,7 @@ impl SyncState {
         out
     }
 
-    /// The query string of the next `/v1/feed` pull: `?v=3` (this reader takes version-3
+    /// The query string of the next `/v1/feed` pull: `?v=4` (this reader takes version-4
     /// pages), then `&epoch=E&since=C` to continue, and `&stream=X&seq=S` when the position
     /// is also known in stream terms (another replica of the stream can then take it over);
     /// no cursor asks for a full snapshot.

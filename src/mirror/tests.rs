@@ -204,7 +204,7 @@ fn reset_builds_aside_and_switches_whole() {
     assert!(a.switched);
     let (st, _) = read_state(&store, &keys).unwrap();
     assert!(!st.is_stale(6, 1000));
-    assert_eq!(st.feed_query(), "?v=3&epoch=1&since=11");
+    assert_eq!(st.feed_query(), "?v=4&epoch=1&since=11");
     assert_eq!(
         holders(&store, &keys, &l, 1 << 60),
         vec![(WorkerId(0), TierMask(1))]
@@ -226,7 +226,7 @@ fn reset_builds_aside_and_switches_whole() {
         .unwrap()
         .0
         .feed_query()
-        .starts_with("?v=3&epoch=2&since=1"));
+        .starts_with("?v=4&epoch=2&since=1"));
     apply_page(&store, &keys, &l, &page(0, 2, 2, vec![]), 8).unwrap();
     assert!(
         holders(&store, &keys, &l, 1 << 60).is_empty(),
@@ -237,7 +237,7 @@ fn reset_builds_aside_and_switches_whole() {
         apply_page(&store, &keys, &l, &page(0, 9, 3, vec![]), 9),
         Err(SyncError::EpochMismatch { got: 9, want: 2 })
     ));
-    assert_eq!(read_state(&store, &keys).unwrap().0.feed_query(), "?v=3");
+    assert_eq!(read_state(&store, &keys).unwrap().0.feed_query(), "?v=4");
 }
 
 fn mark(seq: u64) -> Op {
@@ -262,7 +262,7 @@ fn follower_of_a() -> (MemStore, Keys, Limits) {
     );
     assert!(apply_page(&store, &keys, &l, &snap, 5).unwrap().switched);
     let (st, _) = read_state(&store, &keys).unwrap();
-    assert_eq!(st.feed_query(), "?v=3&epoch=1&since=100&stream=77&seq=40");
+    assert_eq!(st.feed_query(), "?v=4&epoch=1&since=100&stream=77&seq=40");
     (store, keys, l)
 }
 
@@ -301,7 +301,7 @@ fn a_replica_of_the_same_stream_takes_over_without_a_snapshot() {
     apply_page(&store, &keys, &l, &next, 7).unwrap();
     assert_eq!(
         read_state(&store, &keys).unwrap().0.feed_query(),
-        "?v=3&epoch=2&since=9&stream=77&seq=41"
+        "?v=4&epoch=2&since=9&stream=77&seq=41"
     );
 }
 
@@ -337,7 +337,7 @@ fn a_handover_with_another_table_or_position_falls_back_to_a_snapshot() {
         let (st, _) = read_state(&store, &keys).unwrap();
         assert_eq!(
             st.feed_query(),
-            "?v=3",
+            "?v=4",
             "{what}: the next pull asks for a snapshot"
         );
         assert_eq!(st.epoch, 1, "{what}: nothing of the page was taken");
@@ -352,7 +352,7 @@ fn a_handover_with_another_table_or_position_falls_back_to_a_snapshot() {
     apply_page(&store, &keys, &l, &page(0, 1, 101, vec![]), 6).unwrap();
     assert_eq!(
         read_state(&store, &keys).unwrap().0.feed_query(),
-        "?v=3&epoch=1&since=101"
+        "?v=4&epoch=1&since=101"
     );
 }
 

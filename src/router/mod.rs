@@ -71,6 +71,7 @@ mod book;
 mod decide;
 pub mod load;
 mod matches;
+mod peers;
 mod picture;
 mod policy;
 mod roster;
@@ -82,6 +83,7 @@ pub use matches::{
     answer_on_roster, hold, remember, remote_contenders, speculative, SpecRead,
     SPECULATIVE_ENTRIES, SPECULATIVE_SHARDS,
 };
+pub use peers::{own_holds, take_peer_holds, PeerHold, Taken};
 pub use picture::{Picture, PictureConfig};
 pub use policy::{
     Cold, Policy, PolicyConfig, PolicyError, MAX_REPLICA_TIE_BAND, MAX_TEMPERATURE,

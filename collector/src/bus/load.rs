@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use tracing::debug;
 
 use super::{count, Bus};
-use crate::fleet::LoadReport;
+use crate::fleet::{HeldReport, LoadReport};
 use crate::shared::Shared;
 
 /// Largest load message read, bytes.
@@ -36,6 +36,20 @@ struct LoadMessage {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     epoch: Option<u64>,
     workers: Vec<LoadEntry>,
+    /// The gateway's routing decisions since its last report (absent from older senders).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    held: Vec<HeldEntry>,
+}
+
+/// A `held` entry with its worker named as in [`LoadEntry`].
+#[derive(Debug, Serialize, Deserialize)]
+struct HeldEntry {
+    instance_id: String,
+    dp_rank: u32,
+    shard: u32,
+    key: u64,
+    blocks: u32,
+    ttl_ms: u32,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -73,11 +87,27 @@ pub fn fan_out(shared: &Shared, report: &LoadReport, table: &[(WorkerId, String,
             })
         })
         .collect();
+    let held = report
+        .held
+        .iter()
+        .filter_map(|h| {
+            let (_, instance, dp) = table.iter().find(|t| t.0 .0 == h.worker)?;
+            Some(HeldEntry {
+                instance_id: instance.clone(),
+                dp_rank: *dp,
+                shard: h.shard,
+                key: h.key,
+                blocks: h.blocks,
+                ttl_ms: h.ttl_ms,
+            })
+        })
+        .collect();
     let msg = LoadMessage {
         origin: bus.origin(),
         gateway: report.gateway.clone(),
         epoch: Some(report.epoch),
         workers,
+        held,
     };
     match serde_json::to_vec(&msg) {
         Ok(body) => bus.send_load(&shared.metrics, Bytes::from(body)),
@@ -107,14 +137,16 @@ fn apply(shared: &Shared, bus: &Bus, payload: &[u8]) {
     let hub = shared.read();
     let epoch = hub.feed.epoch();
     let known = hub.workers().count();
+    let id_of = |instance_id: &str, dp_rank: u32| {
+        hub.workers()
+            .find(|w| w.reg.instance_id == instance_id && w.dp_rank() == dp_rank)
+            .map(|w| w.id)
+    };
     let workers: Vec<serde_json::Value> = msg
         .workers
         .iter()
         .filter_map(|e| {
-            let id = hub
-                .workers()
-                .find(|w| w.reg.instance_id == e.instance_id && w.dp_rank() == e.dp_rank)?
-                .id;
+            let id = id_of(&e.instance_id, e.dp_rank)?;
             Some(serde_json::json!({
                 "worker": id.0,
                 "requests": e.requests,
@@ -125,11 +157,25 @@ fn apply(shared: &Shared, bus: &Bus, payload: &[u8]) {
             }))
         })
         .collect();
+    let held: Vec<HeldReport> = msg
+        .held
+        .iter()
+        .filter_map(|h| {
+            Some(HeldReport {
+                worker: id_of(&h.instance_id, h.dp_rank)?.0,
+                shard: h.shard,
+                key: h.key,
+                blocks: h.blocks,
+                ttl_ms: h.ttl_ms,
+            })
+        })
+        .collect();
     drop(hub);
     let mut report: LoadReport = match serde_json::from_value(serde_json::json!({
         "gateway": msg.gateway,
         "epoch": epoch,
         "workers": workers,
+        "held": held,
     })) {
         Ok(r) => r,
         Err(_) => {
