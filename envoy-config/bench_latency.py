@@ -7,6 +7,11 @@ One run, one set of engines, one load tool (wrk), interleaved targets:
   kvroute      Envoy + kvroute: the kvroute listener (header strip + wasm filter + router,
                override_host), every request a routed cache hit (the full path: body buffered
                and scanned, 1k/8k tokens hashed, index looked up, header set)
+  floor        a second Envoy, the same configuration with `kvroute_filter_floor.wasm` (the
+               filter built with the bench-only feature bench-floor: destination header
+               removed, request paused until the body is whole, body copied into the VM,
+               nothing decided, Envoy's fallback round-robin picks the engine): what any
+               body-reading wasm filter costs; kvroute − floor is what kvroute's own work costs
   vllm-router  `vllm-router --policy kv_aware` 0.1.17 from PyPI in front of the same engines,
                fed by the same engines' KV events (runnable_peers.md)
 
@@ -158,6 +163,8 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=16, help="throughput connections")
     ap.add_argument("--concurrency", type=int, default=2, help="Envoy worker threads")
     ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip the body-reading floor filter (make wasm-floor)")
     ap.add_argument("--timing", action="store_true",
                     help="per-phase timing histograms in the filter (VM configuration)")
     ap.add_argument("--out", default=str(K.HERE / "BENCH.md"))
@@ -183,6 +190,16 @@ def main() -> int:
         router = None
         targets = {"direct": stack.engines[0].url, "envoy": stack.baseline_url,
                    "kvroute": stack.kvroute_url}
+        floor_pid = None
+        floor_wasm = Path(os.environ.get(
+            "KVROUTE_FLOOR_WASM", str(K.wasm_path().with_name("kvroute_filter_floor.wasm"))))
+        if not args.no_floor:
+            if floor_wasm.exists():
+                urls = stack.start_extra_envoy("floor", {"WASM_PATH": str(floor_wasm)})
+                targets["floor"] = urls["kvroute"]
+                floor_pid = stack.extra_envoys[-1].pid
+            else:
+                K.log(f"{floor_wasm} missing (`make wasm-floor`): measured without the floor")
         if peer:
             try:
                 router, rurl = start_vllm_router(peer, stack)
@@ -209,7 +226,7 @@ def main() -> int:
             # The proxy process whose CPU time per request is measured (contention-proof:
             # CPU seconds do not grow when other work shares the cores, wall time does).
             proxy_pid = {"direct": None, "envoy": stack.envoy.pid, "kvroute": stack.envoy.pid,
-                         "vllm-router": router.pid if router else None}
+                         "floor": floor_pid, "vllm-router": router.pid if router else None}
             filter_before = filter_stats(stack)
             kv_requests = 0
             seq_delta: dict[str, float] = {}
@@ -353,8 +370,8 @@ def write_markdown(results: dict, out: Path, args) -> None:
                          f"{t['errors']} |")
     lines += ["", "Derived (kvroute against plain Envoy, same run):", "",
               "| tokens | added p50 µs | added p99 µs | throughput ratio | added Envoy CPU µs/req "
-              "| target |",
-              "|---|---|---|---|---|---|"]
+              "| floor: added CPU µs/req, throughput | kvroute above the floor, CPU µs/req | target |",
+              "|---|---|---|---|---|---|---|---|"]
     for size, s in results["sizes"].items():
         t = s["targets"]
         if "kvroute" in t and "envoy" in t:
@@ -365,8 +382,15 @@ def write_markdown(results: dict, out: Path, args) -> None:
             tgt = f"≤ 100 µs p99, ≥ 90 %: {ok}" if int(size) >= 8192 else "-"
             ck, ce = t["kvroute"].get("proxy_cpu_us_per_req"), t["envoy"].get("proxy_cpu_us_per_req")
             dcpu = f"{ck - ce:+.0f}" if ck is not None and ce is not None else "-"
+            cf = t.get("floor", {}).get("proxy_cpu_us_per_req")
+            if cf is not None and ce is not None and ck is not None:
+                fr = t["floor"]["rps"] / t["envoy"]["rps"] if t["envoy"]["rps"] else 0
+                floor = f"{cf - ce:+.0f}, {100 * fr:.1f} %"
+                above = f"{ck - cf:+.0f}"
+            else:
+                floor = above = "-"
             lines.append(f"| {size} | {a50:+.0f} | {a99:+.0f} | {100 * ratio:.1f} % | {dcpu} "
-                         f"| {tgt} |")
+                         f"| {floor} | {above} | {tgt} |")
     order = ["header_intake", "body_intake", "hash", "lookup", "decision", "books",
              "header_set", "release"]
     if args.timing:

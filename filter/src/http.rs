@@ -521,6 +521,14 @@ impl HttpContext for Http {
         self.cfg = Some(cfg.clone());
         // Never let a client choose the upstream, routed or not.
         host::remove_header(MapType::HttpRequestHeaders, &cfg.destination_header);
+        if cfg!(feature = "bench-floor") {
+            self.phase = Phase::WaitingBody;
+            return if end_of_stream {
+                Action::Continue
+            } else {
+                Action::Pause
+            };
+        }
         if self.phase != Phase::Headers {
             return Action::Continue;
         }
@@ -672,6 +680,10 @@ impl Http {
         // The time since the headers was spent waiting for the body, not running.
         vm.timing.restart(&mut self.clock);
         let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
+        if cfg!(feature = "bench-floor") {
+            self.phase = Phase::Done;
+            return Action::Continue;
+        }
         let Ok(mut scratch) = vm.scratch.try_borrow_mut() else {
             return Action::Continue;
         };
