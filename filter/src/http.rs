@@ -608,11 +608,16 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        if self.routed.is_some() {
+        if let Some(b) = self.routed.as_mut() {
             // Envoy's HTTP/1 codec ends a response with an empty last chunk, so a body that
             // arrives whole is known whole only by its length.
             self.response_length = host::get_header(MapType::HttpResponseHeaders, "content-length")
                 .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse().ok());
+            let success = host::get_header(MapType::HttpResponseHeaders, ":status")
+                .is_some_and(|v| v.first() == Some(&b'2'));
+            if !success {
+                b.answered_in_error();
+            }
         }
         if let Some((_, cfg)) = self.config() {
             if let Some(name) = &cfg.debug_header {

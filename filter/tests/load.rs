@@ -336,6 +336,23 @@ fn rate_after(
     tokens_n: u32,
     after: u64,
 ) -> (u32, u32) {
+    rate_after_answer(
+        gw,
+        start,
+        tokens_n,
+        after,
+        kvroute_host_test::Response::ok("x"),
+    )
+}
+
+/// [`rate_after`] with the engine's answer given.
+fn rate_after_answer(
+    gw: &mut kvroute_host_test::Gateway,
+    start: u32,
+    tokens_n: u32,
+    after: u64,
+    answer: kvroute_host_test::Response,
+) -> (u32, u32) {
     let r = gw
         .request()
         .json_body(&json!({"model": "m", "prompt": tokens(start, tokens_n), "max_tokens": 1}))
@@ -343,7 +360,7 @@ fn rate_after(
         .start();
     let slot = u32::from(best(&gw.outcome(r)) == Some(B));
     gw.advance(Duration::from_millis(after));
-    gw.respond(r, kvroute_host_test::Response::ok("x"));
+    gw.respond(r, answer);
     let table = gw
         .shared_data(&keys().load())
         .map(|(v, _)| v)
@@ -361,6 +378,16 @@ fn the_prefill_rate_is_learned_from_requests_that_found_the_engine_idle() {
     // A short prompt measures mostly overhead: no sample.
     let (slot2, rate2) = rate_after(&mut gw, 40_000, 64, 400);
     assert_eq!(rate2, if slot2 == slot { 20_480 } else { 0 });
+    // An error answered at once was no prefill (a prompt over the model's length): no
+    // sample, where it would have read 8,192 tokens in 12 ms as 682,666 tokens/s.
+    let refused = kvroute_host_test::Response::new(400).json(&json!({"error": "too long"}));
+    let (mut fresh, _f) = setup(json!({}));
+    assert_eq!(
+        rate_after_answer(&mut fresh, 10_000, 8192, 12, refused.clone()).1,
+        0
+    );
+    let (slot3, rate3) = rate_after_answer(&mut gw, 60_000, 8192, 12, refused);
+    assert_eq!(rate3, if slot3 == slot { 20_480 } else { 0 });
     // A configured rate is not overwritten by samples.
     let (mut gw, _feed) = setup(json!({"load": {"prefill_tokens_per_s": 5000}}));
     assert_eq!(rate_after(&mut gw, 10_000, 8192, 400).1, 5000);

@@ -94,11 +94,21 @@ pub fn rate_sample(prefill_tokens: u32, elapsed_ms: u64) -> Option<u32> {
         .then(|| (u64::from(prefill_tokens) * 1000 / elapsed_ms).min(u32::MAX.into()) as u32)
 }
 
-/// The learned rate after one more `sample` (tokens per second).
+/// Most a sample may stand above the learned rate, as a factor. Samples err low (see
+/// [`rate_sample`]); one far above the rate was no prefill of the booked tokens (a prefix the
+/// engine held that the books did not know of). Uncapped, one such sample (56× the true rate,
+/// seen in the uneven bench) multiplied the learned rate by 15 and let the engine's backlog
+/// drain in the books while it was busy, and cold prompts queued behind it for seconds.
+pub const RATE_SAMPLE_MAX_STEP: u32 = 2;
+
+/// The learned rate after one more `sample` (tokens per second): a quarter weight each, a
+/// sample counted at most [`RATE_SAMPLE_MAX_STEP`] times the rate (so one sample raises it by
+/// at most a quarter; lowering it, the safe side, is not capped).
 pub fn learn_rate(rate: u32, sample: u32) -> u32 {
     if rate == 0 {
         return sample;
     }
+    let sample = sample.min(rate.saturating_mul(RATE_SAMPLE_MAX_STEP));
     ((3 * u64::from(rate) + u64::from(sample)) / 4) as u32
 }
 

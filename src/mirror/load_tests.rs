@@ -317,6 +317,16 @@ fn the_rate_is_learned_from_samples_and_survives_a_cleared_entry() {
     assert_eq!(drain(1_000, 7_000, 100), 300);
     assert_eq!(drain(1_000, u32::MAX, u64::MAX), 0);
     assert_eq!(learn_rate(0, 5), 5);
+    // A sample far above the rate counts as twice the rate: one raises it by a quarter...
+    assert_eq!(learn_rate(190_000, 11_231_083), 237_500);
+    assert_eq!(
+        learn_rate(190_000, 300_000),
+        217_500,
+        "under the cap: as it is"
+    );
+    // ... and lowering it is not capped.
+    assert_eq!(learn_rate(200_000, 20_000), 155_000);
+    assert_eq!(learn_rate(u32::MAX, u32::MAX), u32::MAX, "no overflow");
     assert_eq!(rate_sample(RATE_SAMPLE_MIN_TOKENS, 0), None);
     assert_eq!(
         rate_sample(RATE_SAMPLE_MIN_TOKENS - 1, 10),

@@ -45,9 +45,19 @@ pub struct Booked {
     pub prefill_open: bool,
     /// When it was booked (host milliseconds).
     pub at_ms: u64,
-    /// The engine had no prefill ahead of it by the books: its time to first bytes measures
-    /// the engine's prefill rate.
+    /// The engine had no prefill ahead of it by the books, and its answer is not an error:
+    /// its time to first bytes measures the engine's prefill rate.
     pub idle: bool,
+}
+
+impl Booked {
+    /// The engine answered with an error status: its first bytes came without a prefill (a
+    /// prompt over the model's length is refused at once), so they say nothing of its rate.
+    /// Left in, the refusal of a 134,773-token prompt after 12 ms taught a rate 56× the
+    /// engine's.
+    pub fn answered_in_error(&mut self) {
+        self.idle = false;
+    }
 }
 
 impl<S: Store> Books<'_, S> {
