@@ -11,7 +11,9 @@ One run, one set of engines, one load tool (wrk), interleaved targets:
                filter built with the bench-only feature bench-floor: destination header
                removed, request paused until the body is whole, body copied into the VM,
                nothing decided, Envoy's fallback round-robin picks the engine): what any
-               body-reading wasm filter costs; kvroute − floor is what kvroute's own work costs
+               body-reading wasm filter costs, measured against the second Envoy's own plain
+               listener (`floor-envoy`), so that the two processes' difference does not count;
+               kvroute's added cost less the floor's is what kvroute's own work costs
   vllm-router  `vllm-router --policy kv_aware` 0.1.17 from PyPI in front of the same engines,
                fed by the same engines' KV events (runnable_peers.md)
 
@@ -152,6 +154,17 @@ def start_vllm_router(exe: str, stack: K.Stack) -> tuple[K.Proc, str]:
     return p, url
 
 
+def issue22_verdict(size: int, added_p50: float, ratio: float, added_cpu: float | None) -> str:
+    """Issue 22's targets for one body size: added Envoy CPU ≤ 25 µs (1k) / 50 µs (8k) a
+    request, throughput ≥ 90 % of plain Envoy's, and at 8k an added p50 ≤ 100 µs."""
+    budget = 25 if size <= 1024 else 50
+    checks = [(f"CPU ≤ {budget} µs", added_cpu is not None and added_cpu <= budget),
+              ("≥ 90 %", ratio >= 0.9)]
+    if size >= 8192:
+        checks.append(("p50 ≤ 100 µs", added_p50 <= 100))
+    return ", ".join(f"{name} {'met' if ok else 'NOT met'}" for name, ok in checks)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,6 +210,10 @@ def main() -> int:
             if floor_wasm.exists():
                 urls = stack.start_extra_envoy("floor", {"WASM_PATH": str(floor_wasm)})
                 targets["floor"] = urls["kvroute"]
+                # The floor Envoy's own plain listener: the floor is measured against the
+                # process it runs in, and plain-vs-plain across the two processes shows what
+                # a second Envoy alone moves the figures by.
+                targets["floor-envoy"] = urls["baseline"]
                 floor_pid = stack.extra_envoys[-1].pid
             else:
                 K.log(f"{floor_wasm} missing (`make wasm-floor`): measured without the floor")
@@ -226,7 +243,8 @@ def main() -> int:
             # The proxy process whose CPU time per request is measured (contention-proof:
             # CPU seconds do not grow when other work shares the cores, wall time does).
             proxy_pid = {"direct": None, "envoy": stack.envoy.pid, "kvroute": stack.envoy.pid,
-                         "floor": floor_pid, "vllm-router": router.pid if router else None}
+                         "floor": floor_pid, "floor-envoy": floor_pid,
+                         "vllm-router": router.pid if router else None}
             filter_before = filter_stats(stack)
             kv_requests = 0
             seq_delta: dict[str, float] = {}
@@ -370,7 +388,8 @@ def write_markdown(results: dict, out: Path, args) -> None:
                          f"{t['errors']} |")
     lines += ["", "Derived (kvroute against plain Envoy, same run):", "",
               "| tokens | added p50 µs | added p99 µs | throughput ratio | added Envoy CPU µs/req "
-              "| floor: added CPU µs/req, throughput | kvroute above the floor, CPU µs/req | target |",
+              "| floor: added p50, added CPU µs/req, throughput | kvroute above the floor, CPU "
+              "µs/req | issue 22's targets |",
               "|---|---|---|---|---|---|---|---|"]
     for size, s in results["sizes"].items():
         t = s["targets"]
@@ -378,15 +397,19 @@ def write_markdown(results: dict, out: Path, args) -> None:
             a50 = t["kvroute"]["p50_us"] - t["envoy"]["p50_us"]
             a99 = t["kvroute"]["p99_us"] - t["envoy"]["p99_us"]
             ratio = t["kvroute"]["rps"] / t["envoy"]["rps"] if t["envoy"]["rps"] else 0
-            ok = "met" if (a99 <= 100 and ratio >= 0.9) else "NOT met"
-            tgt = f"≤ 100 µs p99, ≥ 90 %: {ok}" if int(size) >= 8192 else "-"
             ck, ce = t["kvroute"].get("proxy_cpu_us_per_req"), t["envoy"].get("proxy_cpu_us_per_req")
             dcpu = f"{ck - ce:+.0f}" if ck is not None and ce is not None else "-"
+            tgt = issue22_verdict(int(size), a50, ratio, None if dcpu == "-" else ck - ce)
             cf = t.get("floor", {}).get("proxy_cpu_us_per_req")
-            if cf is not None and ce is not None and ck is not None:
-                fr = t["floor"]["rps"] / t["envoy"]["rps"] if t["envoy"]["rps"] else 0
-                floor = f"{cf - ce:+.0f}, {100 * fr:.1f} %"
-                above = f"{ck - cf:+.0f}"
+            # The floor against plain Envoy in its own process (the second Envoy's baseline
+            # listener), so a difference between the two processes does not count.
+            fe = t.get("floor-envoy", t["envoy"])
+            cfe = fe.get("proxy_cpu_us_per_req")
+            if cf is not None and cfe is not None and ck is not None and ce is not None:
+                fr = t["floor"]["rps"] / fe["rps"] if fe["rps"] else 0
+                f50 = t["floor"]["p50_us"] - fe["p50_us"]
+                floor = f"{f50:+.0f}, {cf - cfe:+.0f}, {100 * fr:.1f} %"
+                above = f"{(ck - ce) - (cf - cfe):+.0f}"
             else:
                 floor = above = "-"
             lines.append(f"| {size} | {a50:+.0f} | {a99:+.0f} | {100 * ratio:.1f} % | {dcpu} "
