@@ -102,7 +102,7 @@ pub fn rate_sample(prefill_tokens: u32, elapsed_ms: u64) -> Option<u32> {
 pub const RATE_SAMPLE_MAX_STEP: u32 = 2;
 
 /// The learned rate after one more `sample` (tokens per second): a quarter weight each, a
-/// sample counted at most [`RATE_SAMPLE_MAX_STEP`] times the rate (so one sample raises it by
+/// sample counted at most `RATE_SAMPLE_MAX_STEP` times the rate (so one sample raises it by
 /// at most a quarter; lowering it, the safe side, is not capped).
 pub fn learn_rate(rate: u32, sample: u32) -> u32 {
     if rate == 0 {
