@@ -659,7 +659,8 @@ impl Index {
     fn add_tier(&mut self, n: u32, tier: Tier, changes: &mut Vec<Change>) {
         let node = &mut self.nodes[n as usize];
         node.tiers = node.tiers.with(tier);
-        self.refresh_classes(n, changes);
+        // Only `n`'s own tiers changed: below a descendant whose class stays, nothing moves.
+        self.refresh_classes(n, false, changes);
     }
 
     /// Removes `tier` from `n` and its subtree; drops holds left without a tier, with their
@@ -681,12 +682,16 @@ impl Index {
             }
         }
         if self.nodes[n as usize].parent != FREE {
-            self.refresh_classes(n, changes);
+            // Every node of the subtree lost the tier, so a descendant's class can move under
+            // an ancestor whose class stayed: the whole subtree is looked at.
+            self.refresh_classes(n, true, changes);
         }
     }
 
     /// Recomputes classes below and at `n`, emitting a change for each hold whose class moved.
-    fn refresh_classes(&mut self, n: u32, changes: &mut Vec<Change>) {
+    /// With `whole`, every node of the subtree is looked at (their own tiers changed);
+    /// without, a node whose class stays ends the walk below it.
+    fn refresh_classes(&mut self, n: u32, whole: bool, changes: &mut Vec<Change>) {
         let mut stack = vec![n];
         while let Some(m) = stack.pop() {
             let node = self.nodes[m as usize];
@@ -699,7 +704,7 @@ impl Index {
                 continue;
             };
             let class = parent_class.max(best);
-            if class == node.class && m != n {
+            if class == node.class && m != n && !whole {
                 continue;
             }
             if class != node.class {
