@@ -398,18 +398,19 @@ def write_markdown(results: dict, out: Path, args) -> None:
             a99 = t["kvroute"]["p99_us"] - t["envoy"]["p99_us"]
             ratio = t["kvroute"]["rps"] / t["envoy"]["rps"] if t["envoy"]["rps"] else 0
             ck, ce = t["kvroute"].get("proxy_cpu_us_per_req"), t["envoy"].get("proxy_cpu_us_per_req")
-            dcpu = f"{ck - ce:+.0f}" if ck is not None and ce is not None else "-"
-            tgt = issue22_verdict(int(size), a50, ratio, None if dcpu == "-" else ck - ce)
+            added_cpu = ck - ce if ck is not None and ce is not None else None
+            dcpu = "-" if added_cpu is None else f"{added_cpu:+.0f}"
+            tgt = issue22_verdict(int(size), a50, ratio, added_cpu)
             cf = t.get("floor", {}).get("proxy_cpu_us_per_req")
             # The floor against plain Envoy in its own process (the second Envoy's baseline
             # listener), so a difference between the two processes does not count.
             fe = t.get("floor-envoy", t["envoy"])
             cfe = fe.get("proxy_cpu_us_per_req")
-            if cf is not None and cfe is not None and ck is not None and ce is not None:
+            if cf is not None and cfe is not None and added_cpu is not None:
                 fr = t["floor"]["rps"] / fe["rps"] if fe["rps"] else 0
                 f50 = t["floor"]["p50_us"] - fe["p50_us"]
                 floor = f"{f50:+.0f}, {cf - cfe:+.0f}, {100 * fr:.1f} %"
-                above = f"{(ck - ce) - (cf - cfe):+.0f}"
+                above = f"{added_cpu - (cf - cfe):+.0f}"
             else:
                 floor = above = "-"
             lines.append(f"| {size} | {a50:+.0f} | {a99:+.0f} | {100 * ratio:.1f} % | {dcpu} "

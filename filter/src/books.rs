@@ -57,7 +57,7 @@ pub fn book(
             decode,
             prefill_open: true,
             at_ms: now,
-            idle,
+            measures_rate: idle,
         });
     }
     counted(vm, books(vm, cfg).book(picture, id, prefill, decode, idle))

@@ -613,9 +613,13 @@ impl HttpContext for Http {
             // arrives whole is known whole only by its length.
             self.response_length = host::get_header(MapType::HttpResponseHeaders, "content-length")
                 .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse().ok());
-            let success = host::get_header(MapType::HttpResponseHeaders, ":status")
-                .is_some_and(|v| v.first() == Some(&b'2'));
-            if !success {
+            // The status is read only when the answer could teach the prefill rate: one host
+            // call less on every other routed response.
+            if b.measures_rate
+                && b.prefill >= kvroute::mirror::RATE_SAMPLE_MIN_TOKENS
+                && host::get_header(MapType::HttpResponseHeaders, ":status")
+                    .is_none_or(|v| v.first() != Some(&b'2'))
+            {
                 b.answered_in_error();
             }
         }

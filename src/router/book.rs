@@ -45,9 +45,9 @@ pub struct Booked {
     pub prefill_open: bool,
     /// When it was booked (host milliseconds).
     pub at_ms: u64,
-    /// The engine had no prefill ahead of it by the books, and its answer is not an error:
-    /// its time to first bytes measures the engine's prefill rate.
-    pub idle: bool,
+    /// Its time to first bytes measures the engine's prefill rate: the engine had no prefill
+    /// ahead of it by the books when it was booked, and its answer is not an error.
+    pub measures_rate: bool,
 }
 
 impl Booked {
@@ -56,7 +56,7 @@ impl Booked {
     /// Left in, the refusal of a 134,773-token prompt after 12 ms taught a rate 56× the
     /// engine's.
     pub fn answered_in_error(&mut self) {
-        self.idle = false;
+        self.measures_rate = false;
     }
 }
 
@@ -112,7 +112,7 @@ impl<S: Store> Books<'_, S> {
             decode,
             prefill_open: true,
             at_ms: now,
-            idle,
+            measures_rate: idle,
         })
     }
 
@@ -141,7 +141,7 @@ impl<S: Store> Books<'_, S> {
     /// only from requests that found the engine idle (see `mirror::rate_sample`).
     fn rate_note(&self, b: &Booked, now: u64) -> RateNote {
         let sample = match self.prefill_rate {
-            None if b.idle && b.prefill > 0 => {
+            None if b.measures_rate && b.prefill > 0 => {
                 mirror::rate_sample(b.prefill, now.saturating_sub(b.at_ms))
             }
             _ => None,

@@ -146,7 +146,7 @@ fn a_response_released_whole_leaves_the_books_as_the_two_steps_do() {
         let mut booked = Vec::new();
         for f in [&two, &one] {
             let (_, mut b) = f.route_and_book(&[], 0);
-            b.idle = idle;
+            b.measures_rate = idle;
             if !prefill_open {
                 f.books().release_prefill(&mut b, 40).unwrap();
             }

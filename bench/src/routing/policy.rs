@@ -434,7 +434,7 @@ fn booked(d: &Decision, prefill_open: bool) -> Booked {
         decode: 0,
         prefill_open,
         at_ms: d.booked_at_ms,
-        idle: d.idle,
+        measures_rate: d.idle,
     }
 }
 
