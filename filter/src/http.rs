@@ -689,6 +689,7 @@ impl Http {
         // The time since the headers was spent waiting for the body, not running.
         vm.timing.restart(&mut self.clock);
         let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
+        vm.timing.lap(&mut self.clock, Timed::BodyCopy);
         if cfg!(feature = "bench-floor") {
             self.phase = Phase::Done;
             return Action::Continue;

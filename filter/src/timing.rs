@@ -26,7 +26,10 @@ use crate::host;
 pub(crate) enum Phase {
     /// Request headers: the header and metadata sources read, the body asked for.
     HeaderIntake,
-    /// The body fetched from the host and scanned for its fields, token ids parsed.
+    /// The buffered body copied from the host into the VM (`proxy_get_buffer_bytes`): what
+    /// any filter that reads the body pays, apart from what it does with it.
+    BodyCopy,
+    /// The body scanned for its fields, token ids parsed.
     BodyIntake,
     /// Sequence hashes of the prompt's full blocks.
     Hash,
@@ -45,8 +48,9 @@ pub(crate) enum Phase {
 
 impl Phase {
     /// Every phase, in metric-id order.
-    pub const ALL: [Phase; 8] = [
+    pub const ALL: [Phase; 9] = [
         Phase::HeaderIntake,
+        Phase::BodyCopy,
         Phase::BodyIntake,
         Phase::Hash,
         Phase::Lookup,
@@ -60,6 +64,7 @@ impl Phase {
     pub fn metric(self) -> &'static str {
         match self {
             Phase::HeaderIntake => "kvroute.timing.header_intake_ns",
+            Phase::BodyCopy => "kvroute.timing.body_copy_ns",
             Phase::BodyIntake => "kvroute.timing.body_intake_ns",
             Phase::Hash => "kvroute.timing.hash_ns",
             Phase::Lookup => "kvroute.timing.lookup_ns",

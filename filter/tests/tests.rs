@@ -13,6 +13,8 @@ mod common;
 mod explain;
 /// The feed moving to the next collector when the one it pulls from fails.
 mod failover;
+/// A routed request's hostcalls against a budget.
+mod hostcalls;
 /// The shared-data keyspace stays fixed while a million blocks churn.
 mod keyspace;
 /// Fleet-wide load reports and totals, engine samples, speculative holders.

@@ -5,8 +5,9 @@ use serde_json::json;
 
 use crate::common::*;
 
-const PHASES: [&str; 8] = [
+const PHASES: [&str; 9] = [
     "header_intake",
+    "body_copy",
     "body_intake",
     "hash",
     "lookup",
@@ -58,6 +59,7 @@ fn every_phase_of_a_routed_request_gets_one_sample_when_on() {
         gw.histogram(&format!("kvroute.timing.{p}_ns"))
             .map(|h| h.len())
     };
+    assert_eq!(n("body_copy"), Some(4));
     assert_eq!(n("body_intake"), Some(4));
     assert_eq!(n("hash"), Some(3));
     assert!(gw.errors().is_empty(), "{:?}", gw.errors());

@@ -309,6 +309,18 @@ impl Gateway {
             .collect();
     }
 
+    /// Hostcalls made so far by every VM, by import name: every proxy-wasm import but
+    /// logging, no WASI call. A VM recreated after a trap starts again from 0.
+    pub fn hostcalls(&self) -> BTreeMap<&'static str, u64> {
+        let mut out = BTreeMap::new();
+        for vm in self.vms.iter().flatten() {
+            for (name, n) in &vm.store.data().hostcalls {
+                *out.entry(*name).or_default() += n;
+            }
+        }
+        out
+    }
+
     /// Traps that happened outside a request (ticks, queues, callbacks of root contexts) and
     /// VM restarts that failed, in order.
     pub fn errors(&self) -> &[HostError] {

@@ -39,6 +39,9 @@ pub(crate) struct HostState {
     pub fd_lines: [Vec<u8>; 2],
     /// Test-clock origin, to report callouts' dispatch times.
     pub clock_origin: u64,
+    /// Restricted hostcalls made by this VM, by import name (a data-path filter is judged
+    /// by how often it crosses into the host: each crossing costs about a microsecond in V8).
+    pub hostcalls: HashMap<&'static str, u64>,
 }
 
 impl HostState {
@@ -67,6 +70,7 @@ impl HostState {
             last_critical: None,
             fd_lines: Default::default(),
             clock_origin: CLOCK_ORIGIN_NANOS,
+            hostcalls: HashMap::new(),
         }
     }
 

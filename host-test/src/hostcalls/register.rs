@@ -34,11 +34,12 @@ impl<'l> Imports<'l> {
 }
 
 /// Traps when a restricted hostcall runs during `_initialize` (only logging, clock, random
-/// and environment calls are allowed then, as in cpp-host's `startVm`).
-pub(crate) fn guard(c: &C<'_>, name: &str) -> wasmtime::Result<()> {
+/// and environment calls are allowed then, as in cpp-host's `startVm`); counts the call.
+pub(crate) fn guard(c: &mut C<'_>, name: &'static str) -> wasmtime::Result<()> {
     if c.data().restricted {
         wasmtime::bail!("restricted callback during _initialize: {name}");
     }
+    *c.data_mut().hostcalls.entry(name).or_default() += 1;
     Ok(())
 }
 
@@ -66,7 +67,7 @@ macro_rules! hostcall {
             |$c: $crate::hostcalls::register::C<'_> $(, $arg: $ty)*| -> $crate::hostcalls::register::R {
                 #[allow(unused_mut)]
                 let mut $c = $c;
-                $crate::hostcalls::register::guard(&$c, $name)?;
+                $crate::hostcalls::register::guard(&mut $c, $name)?;
                 $body
             },
         )
