@@ -21,7 +21,8 @@
 //!   block size (`vllm:cache_config_info`) is not the registered one. The reason names the
 //!   likely causes ([`likely_causes`]), the evidence first.
 //! - `gateway_stale`: a gateway that reported stopped for `--alarm-gateway-stale-secs` (until
-//!   ten times that, when it is forgotten), or reports a feed lag that long.
+//!   ten times that, when it is forgotten), or reports a feed lag that long. One restarted
+//!   (a new id of its node reporting since, [`replaced`]) is forgotten at once instead.
 //! - `gateway_mismatch`: a gateway's filter version or hashing contract is not the
 //!   collector's (fields `version` and `contract` of its reports; absent fields are not
 //!   judged).
@@ -234,6 +235,8 @@ pub struct Expected {
 
 #[derive(Debug)]
 struct GatewaySeen {
+    /// When this collector first heard from it.
+    first: Instant,
     last: Instant,
     facts: GatewayFacts,
     /// Text counters as of each report within the window, oldest first.
@@ -370,6 +373,7 @@ impl Alarms {
             .gateways
             .entry(gateway.to_owned())
             .or_insert_with(|| GatewaySeen {
+                first: now,
                 last: now,
                 facts: GatewayFacts::default(),
                 text: Default::default(),
@@ -514,6 +518,10 @@ impl Alarms {
             inner
                 .gateways
                 .retain(|_, g| now.saturating_duration_since(g.last) < forget);
+            for (old, new) in replaced(&inner.gateways, exp.stale_after, now) {
+                info!(gateway = %old, successor = %new, "gateway restarted: its old id is forgotten");
+                inner.gateways.remove(&old);
+            }
             for (id, g) in &inner.gateways {
                 for a in gateway_alarms(id, g, exp, now) {
                     raised.insert((a.kind, a.subject.clone()), a);
@@ -584,6 +592,52 @@ fn hash_mismatch(
         ),
         causes: causes.iter().map(|c| c.as_str()).collect(),
     })
+}
+
+/// The node a gateway id names: the filter makes its id as the Envoy node id, `-` and 16 hex
+/// digits drawn at start, so a restarted Envoy reports under a new id of the same node. `None`
+/// for any other id (configured by the operator, and then kept across restarts).
+fn node_of(id: &str) -> Option<&str> {
+    let (node, suffix) = id.rsplit_once('-')?;
+    (suffix.len() == 16 && suffix.bytes().all(|b| b.is_ascii_hexdigit())).then_some(node)
+}
+
+/// Silent gateways that were restarted, each with its successor: `(old, new)`. A gateway
+/// silent past `stale_after` was restarted when a gateway of the same node began reporting
+/// after its last report; each successor stands for one predecessor, the one that fell silent
+/// first. Replicas that share a node id (Envoy's default is none, then every id is `envoy-…`)
+/// keep their alarms: a live sibling that was reporting before one fell silent is no successor.
+fn replaced(
+    gateways: &HashMap<String, GatewaySeen>,
+    stale_after: Duration,
+    now: Instant,
+) -> Vec<(String, String)> {
+    let mut silent: Vec<(&str, &GatewaySeen)> = gateways
+        .iter()
+        .filter(|(id, g)| {
+            node_of(id).is_some() && now.saturating_duration_since(g.last) >= stale_after
+        })
+        .map(|(id, g)| (id.as_str(), g))
+        .collect();
+    silent.sort_by_key(|(id, g)| (g.last, *id));
+    let mut successors: Vec<(&str, &GatewaySeen)> = gateways
+        .iter()
+        .filter(|(id, _)| node_of(id).is_some())
+        .map(|(id, g)| (id.as_str(), g))
+        .collect();
+    successors.sort_by_key(|(id, g)| (g.first, *id));
+    let mut taken = vec![false; successors.len()];
+    let mut out = Vec::new();
+    for (old, g) in silent {
+        let found = successors.iter().enumerate().position(|(i, (new, n))| {
+            !taken[i] && *new != old && node_of(new) == node_of(old) && n.first > g.last
+        });
+        if let Some(i) = found {
+            taken[i] = true;
+            out.push((old.to_owned(), successors[i].0.to_owned()));
+        }
+    }
+    out
 }
 
 fn gateway_alarms(id: &str, g: &GatewaySeen, exp: &Expected, now: Instant) -> Vec<Alarm> {
@@ -848,6 +902,83 @@ mod tests {
         assert!(alarms
             .evaluate_all(&[], Duration::MAX, &exp, gone)
             .is_empty());
+    }
+
+    #[test]
+    fn a_restarted_gateway_is_not_stale_but_a_dead_replica_is() {
+        let alarms = Alarms::default();
+        let t0 = Instant::now();
+        let exp = Extra {
+            expected: Some(Expected {
+                version: "1.0".into(),
+                contract: "c".into(),
+                stale_after: Duration::from_secs(30),
+            }),
+            ..Extra::default()
+        };
+        let stale = |at: Instant| -> Vec<String> {
+            alarms
+                .evaluate_all(&[], Duration::MAX, &exp, at)
+                .into_iter()
+                .filter(|a| a.kind == AlarmKind::GatewayStale)
+                .map(|a| a.subject)
+                .collect()
+        };
+        let report = |id: &str, at: Instant| alarms.note_gateway(id, GatewayFacts::default(), at);
+        // Gateway "gw-a" restarts at 10 s (its new id appears at 12 s); two replicas that
+        // share Envoy's default node ("envoy") report from the start and one dies at 10 s;
+        // an operator-configured id stops at 10 s.
+        let (a_old, a_new) = ("gw-a-00000000000000aa", "gw-a-00000000000000bb");
+        let (e1, e2) = ("envoy-0000000000000001", "envoy-0000000000000002");
+        for s in 0..=10 {
+            let at = t0 + Duration::from_secs(s);
+            for id in [a_old, e1, e2, "edge-1"] {
+                report(id, at);
+            }
+        }
+        for s in 12..=60 {
+            let at = t0 + Duration::from_secs(s);
+            report(a_new, at);
+            report(e2, at);
+        }
+        let late = t0 + Duration::from_secs(60);
+        assert_eq!(stale(late), vec!["edge-1".to_owned(), e1.to_owned()]);
+        // A second restart of the same node is found again, and a successor stands for one
+        // predecessor only.
+        let (b1, b2, b3) = (
+            "gw-b-0000000000000001",
+            "gw-b-0000000000000002",
+            "gw-b-0000000000000003",
+        );
+        report(b1, late);
+        report(b2, late);
+        let later = late + Duration::from_secs(5);
+        report(b3, later);
+        for s in 6..=40 {
+            let at = late + Duration::from_secs(s);
+            report(b3, at);
+            report(a_new, at);
+            report(e2, at);
+        }
+        let end = late + Duration::from_secs(40);
+        let left = stale(end);
+        assert!(
+            left.contains(&b1.to_owned()) != left.contains(&b2.to_owned()),
+            "one of b1 and b2 restarted as b3, the other is stale: {left:?}"
+        );
+        assert!(!left.contains(&a_old.to_owned()), "{left:?}");
+    }
+
+    #[test]
+    fn node_ids_are_read_only_from_made_ids() {
+        assert_eq!(node_of("envoy-00ff00ff00ff00ff"), Some("envoy"));
+        assert_eq!(
+            node_of("sidecar~10.0.0.1~pod-1.ns-abcdef0123456789"),
+            Some("sidecar~10.0.0.1~pod-1.ns")
+        );
+        assert_eq!(node_of("edge-1"), None);
+        assert_eq!(node_of("gw-0123456789abcdeg"), None);
+        assert_eq!(node_of("0123456789abcdef"), None);
     }
 
     #[test]
