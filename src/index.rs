@@ -5,13 +5,13 @@
 //!
 //! # Layout
 //!
-//! Every (block, worker) hold is one [`Node`] in one arena. A node knows its worker, its scope,
+//! Every (block, worker) hold is one `Node` in one arena. A node knows its worker, its scope,
 //! its engine hash, its [`BlockKey`] and its place in the worker's tree (parent, first child,
 //! siblings). Each worker's `by_engine` table holds only `u32` node indices and hashes through
 //! the arena: an engine hash → the worker's node, to resolve parents and removals, which
 //! engines name by their own hashes.
 //!
-//! Who holds a block is kept apart, in [`Holders`]: a block key → its holders, packed and
+//! Who holds a block is kept apart, in `Holders`: a block key → its holders, packed and
 //! contiguous, so that a lookup reads one table slot and one short array per depth instead of
 //! chasing nodes across the arena.
 //!
@@ -27,7 +27,7 @@
 //!   worker: holding block `i` of a chain means holding blocks `0..i`.
 //! - Each hold has a *class*: the worst of its own best tier and its parent's class. Classes
 //!   only worsen along a chain, which keeps per-class matching prefix-closed for the bisection
-//!   in [`lookup`](crate::lookup). [`Change`]s and [`HolderView`] speak in classes.
+//!   in [`lookup`]. [`Change`]s and [`HolderView`] speak in classes.
 //! - A worker holds at most `max_blocks_per_worker` blocks; stores past that are counted and
 //!   dropped, which bounds memory under an event flood.
 

@@ -291,7 +291,7 @@ fn resized(table: &[u8], entries: usize) -> Vec<u8> {
 }
 
 /// Adds `delta` to `id`'s load in `table`, saturating at zero. Expired counts restart from
-/// zero. A new table has [`LOAD_MIN_ENTRIES`] entries (at most `capacity`); it doubles, up to
+/// zero. A new table has `LOAD_MIN_ENTRIES` entries (at most `capacity`); it doubles, up to
 /// `capacity`, when a new id would fill it beyond three quarters. Returns `false` when the
 /// table is full of busy entries.
 pub fn load_add(

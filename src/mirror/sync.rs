@@ -294,8 +294,8 @@ pub struct Applied {
 ///
 /// A `RESET` page starts a new build in the inactive generation; pages of a build go there
 /// until one without `MORE` switches it in. Delta pages go to the active generation. The
-/// steps: pick the target generation ([`target`]), apply the meta ops ([`apply_meta`]) and
-/// the block ops ([`apply_blocks`]), then move the cursor and maybe switch ([`advance`]).
+/// steps: pick the target generation (`target`), apply the meta ops (`apply_meta`) and
+/// the block ops (`apply_blocks`), then move the cursor and maybe switch (`advance`).
 ///
 /// # Errors
 /// [`SyncError`]; on an epoch mismatch the state is already reset for a snapshot.

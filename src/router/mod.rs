@@ -19,10 +19,10 @@
 //! One policy for both modes:
 //!
 //! 1. **Fold dp ranks.** Each instance competes once, with its best dp rank: the rank with
-//!    the most [`credit`](select::credit), the first one offered on a tie ([`Contender::offer`]).
+//!    the most [`credit`](crate::select::credit), the first one offered on a tie ([`Contender::offer`]).
 //! 2. **Eligibility.** Only instances serving the request's `(tenant, model)` compete
 //!    ([`Instance::serves`]); the others are kept in the slice so indices stay stable.
-//! 3. **Cost and pick.** [`select::pick`] ranks the eligible ones by cost (cached blocks
+//! 3. **Cost and pick.** [`select::pick`](crate::select::pick) ranks the eligible ones by cost (cached blocks
 //!    shrink the prefill work, in-flight load adds to it) and breaks exact ties with the
 //!    caller's seeded random source; no match anywhere means no decision.
 //!

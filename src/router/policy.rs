@@ -31,7 +31,7 @@ pub struct Policy {
     pub max_hit_queue_tokens: Option<u64>,
     /// 0: the cheapest contender wins (seeded random among exact ties). Above 0: the winner
     /// is drawn with odds falling with its cost's distance from the cheapest, relative to it
-    /// ([`select::sample`]): gateway replicas deciding on the same slightly stale load spread
+    /// ([`select::sample`](crate::select::sample)): gateway replicas deciding on the same slightly stale load spread
     /// their picks.
     pub temperature: f64,
     /// Cost, in blocks, within which a contender of this replica's share (sized by its part
