@@ -237,6 +237,8 @@ pub struct Expected {
 struct GatewaySeen {
     /// When this collector first heard from it.
     first: Instant,
+    /// Whether it was taken as another gateway's restart: it stands for that one only.
+    successor: bool,
     last: Instant,
     facts: GatewayFacts,
     /// Text counters as of each report within the window, oldest first.
@@ -374,6 +376,7 @@ impl Alarms {
             .entry(gateway.to_owned())
             .or_insert_with(|| GatewaySeen {
                 first: now,
+                successor: false,
                 last: now,
                 facts: GatewayFacts::default(),
                 text: Default::default(),
@@ -521,6 +524,9 @@ impl Alarms {
             for (old, new) in replaced(&inner.gateways, exp.stale_after, now) {
                 info!(gateway = %old, successor = %new, "gateway restarted: its old id is forgotten");
                 inner.gateways.remove(&old);
+                if let Some(g) = inner.gateways.get_mut(&new) {
+                    g.successor = true;
+                }
             }
             for (id, g) in &inner.gateways {
                 for a in gateway_alarms(id, g, exp, now) {
@@ -605,7 +611,7 @@ fn node_of(id: &str) -> Option<&str> {
 /// Silent gateways that were restarted, each with its successor: `(old, new)`. A gateway
 /// silent past `stale_after` was restarted when a gateway of the same node began reporting
 /// after its last report; each successor stands for one predecessor, the one that fell silent
-/// first. Replicas that share a node id (Envoy's default is none, then every id is `envoy-…`)
+/// first, across evaluations too. Replicas that share a node id (Envoy's default is none, then every id is `envoy-…`)
 /// keep their alarms: a live sibling that was reporting before one fell silent is no successor.
 fn replaced(
     gateways: &HashMap<String, GatewaySeen>,
@@ -622,7 +628,7 @@ fn replaced(
     silent.sort_by_key(|(id, g)| (g.last, *id));
     let mut successors: Vec<(&str, &GatewaySeen)> = gateways
         .iter()
-        .filter(|(id, _)| node_of(id).is_some())
+        .filter(|(id, g)| !g.successor && node_of(id).is_some())
         .map(|(id, g)| (id.as_str(), g))
         .collect();
     successors.sort_by_key(|(id, g)| (g.first, *id));
@@ -960,13 +966,14 @@ mod tests {
             report(a_new, at);
             report(e2, at);
         }
-        let end = late + Duration::from_secs(40);
-        let left = stale(end);
-        assert!(
-            left.contains(&b1.to_owned()) != left.contains(&b2.to_owned()),
-            "one of b1 and b2 restarted as b3, the other is stale: {left:?}"
-        );
-        assert!(!left.contains(&a_old.to_owned()), "{left:?}");
+        for end in [40, 41, 45].map(|s| late + Duration::from_secs(s)) {
+            let left = stale(end);
+            assert!(
+                left.contains(&b1.to_owned()) != left.contains(&b2.to_owned()),
+                "one of b1 and b2 restarted as b3, the other is stale: {left:?}"
+            );
+            assert!(!left.contains(&a_old.to_owned()), "{left:?}");
+        }
     }
 
     #[test]
