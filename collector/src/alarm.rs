@@ -868,18 +868,23 @@ mod tests {
             .is_empty());
     }
 
-    #[test]
-    fn gateway_facts_are_bounded_and_judged_only_when_given() {
-        let alarms = Alarms::default();
-        let t0 = Instant::now();
-        let exp = Extra {
+    /// Gateways are expected to run version 1.0 with contract `c`, stale after 30 s.
+    fn expecting_1_0_stale_after_30s() -> Extra {
+        Extra {
             expected: Some(Expected {
                 version: "1.0".into(),
                 contract: "c".into(),
                 stale_after: Duration::from_secs(30),
             }),
             ..Extra::default()
-        };
+        }
+    }
+
+    #[test]
+    fn gateway_facts_are_bounded_and_judged_only_when_given() {
+        let alarms = Alarms::default();
+        let t0 = Instant::now();
+        let exp = expecting_1_0_stale_after_30s();
         alarms.note_gateway("old", GatewayFacts::default(), t0);
         alarms.note_gateway(
             "long",
@@ -914,14 +919,7 @@ mod tests {
     fn a_restarted_gateway_is_not_stale_but_a_dead_replica_is() {
         let alarms = Alarms::default();
         let t0 = Instant::now();
-        let exp = Extra {
-            expected: Some(Expected {
-                version: "1.0".into(),
-                contract: "c".into(),
-                stale_after: Duration::from_secs(30),
-            }),
-            ..Extra::default()
-        };
+        let exp = expecting_1_0_stale_after_30s();
         let stale = |at: Instant| -> Vec<String> {
             alarms
                 .evaluate_all(&[], Duration::MAX, &exp, at)

@@ -615,8 +615,7 @@ impl HttpContext for Http {
                 .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse().ok());
             // The status is read only when the answer could teach the prefill rate: one host
             // call less on every other routed response.
-            if b.measures_rate
-                && b.prefill >= kvroute::mirror::RATE_SAMPLE_MIN_TOKENS
+            if b.may_teach_rate()
                 && host::get_header(MapType::HttpResponseHeaders, ":status")
                     .is_none_or(|v| v.first() != Some(&b'2'))
             {

@@ -58,6 +58,13 @@ impl Booked {
     pub fn answered_in_error(&mut self) {
         self.measures_rate = false;
     }
+
+    /// Whether its first bytes could still be a rate sample: it measures the rate and books
+    /// enough prefill for a sample (`mirror::rate_sample`). The filter reads the answer's
+    /// status only then.
+    pub fn may_teach_rate(&self) -> bool {
+        self.measures_rate && self.prefill >= mirror::RATE_SAMPLE_MIN_TOKENS
+    }
 }
 
 impl<S: Store> Books<'_, S> {
@@ -141,7 +148,7 @@ impl<S: Store> Books<'_, S> {
     /// only from requests that found the engine idle (see `mirror::rate_sample`).
     fn rate_note(&self, b: &Booked, now: u64) -> RateNote {
         let sample = match self.prefill_rate {
-            None if b.measures_rate && b.prefill > 0 => {
+            None if b.may_teach_rate() => {
                 mirror::rate_sample(b.prefill, now.saturating_sub(b.at_ms))
             }
             _ => None,
