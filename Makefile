@@ -12,6 +12,8 @@ WASM_OUT   := $(TARGET_DIR)/wasm32-wasip1/release
 # The Higress build has other features: it gets a target dir of its own so that the stock and
 # Higress builds do not invalidate each other's artifacts.
 HIGRESS_TARGET_DIR := $(TARGET_DIR)/higress
+# The filter without wasm SIMD (.cargo/config.toml turns it on), for a runtime that refuses it.
+SCALAR_TARGET_DIR := $(TARGET_DIR)/scalar
 # Test fixtures of the host-test crate: every package under host-test/fixtures/.
 FIXTURES   := $(foreach f,$(wildcard host-test/fixtures/*/Cargo.toml),-p $(shell sed -n 's/^name *= *"\(.*\)"/\1/p' $(f) | head -n1))
 
@@ -36,12 +38,15 @@ setup:
 	@command -v c++ >/dev/null 2>&1 || { apt-get update && apt-get install -y g++; }
 
 ## make wasm: the filter at target/wasm32-wasip1/release/kvroute_filter.wasm, its Higress
-## twin kvroute_filter_higress.wasm beside it, and the host-test fixture plugins.
+## twin kvroute_filter_higress.wasm and its build without SIMD kvroute_filter_scalar.wasm beside
+## it, and the host-test fixture plugins.
 wasm: setup
 	$(CARGO) build -j$(JOBS) --release --target wasm32-wasip1 -p kvroute-filter $(FIXTURES)
 	$(CARGO) build -j$(JOBS) --release --target wasm32-wasip1 -p kvroute-filter --features higress --target-dir $(HIGRESS_TARGET_DIR)
 	cp $(HIGRESS_TARGET_DIR)/wasm32-wasip1/release/kvroute_filter.wasm $(WASM_OUT)/kvroute_filter_higress.wasm
-	@ls -l $(WASM_OUT)/kvroute_filter.wasm $(WASM_OUT)/kvroute_filter_higress.wasm
+	CARGO_TARGET_WASM32_WASIP1_RUSTFLAGS="-C target-feature=-simd128" $(CARGO) build -j$(JOBS) --release --target wasm32-wasip1 -p kvroute-filter --target-dir $(SCALAR_TARGET_DIR)
+	cp $(SCALAR_TARGET_DIR)/wasm32-wasip1/release/kvroute_filter.wasm $(WASM_OUT)/kvroute_filter_scalar.wasm
+	@ls -l $(WASM_OUT)/kvroute_filter.wasm $(WASM_OUT)/kvroute_filter_higress.wasm $(WASM_OUT)/kvroute_filter_scalar.wasm
 
 ## Native binaries (collector, simulator) for the demo and the end-to-end tests.
 native: setup
@@ -62,7 +67,7 @@ layout:
 ## make test: lint, the wasm build, every Rust test, the end-to-end tests through Envoy, the
 ## short chaos soak, the JavaScript package's Node tests and the fleet page in headless Chromium.
 test: lint wasm
-	$(CARGO) build -j$(JOBS) -p kvroute --target wasm32-wasip1
+	$(MAKE) test-wasm-core
 	$(MAKE) check-rules
 	$(MAKE) test-rust
 	$(MAKE) test-e2e DEV_BINS="$(TEST_BINS)"
@@ -75,6 +80,15 @@ check-rules:
 	bash tools/install-promtool.sh
 	promtool check rules dashboards/alerts.yaml
 .PHONY: check-rules
+
+## The core's intake and hashing tests built for wasm32-wasip1 with SIMD on, as the filter
+## ships, and run in Node's V8 with liftoff off, as Envoy runs the filter: the SIMD byte-class
+## masks against the byte loop, the scanner against serde_json, the hash vectors.
+WASI_RUNNER := node --no-liftoff --no-warnings $(CURDIR)/tools/wasi-node.mjs
+test-wasm-core:
+	CARGO_TARGET_WASM32_WASIP1_RUNNER="$(WASI_RUNNER)" $(CARGO) test -j$(JOBS) -p kvroute --target wasm32-wasip1 --lib -- intake:: hash::
+	CARGO_TARGET_WASM32_WASIP1_RUNNER="$(WASI_RUNNER)" $(CARGO) test -j$(JOBS) -p kvroute --target wasm32-wasip1 --test intake_props --test hash_vectors
+.PHONY: test-wasm-core
 
 # The collector's NATS tests (collector/tests/nats.rs, dynamo.rs) start a real nats-server -js.
 test-rust:

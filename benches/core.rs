@@ -1,4 +1,5 @@
-//! Criterion benchmarks of the core: hashing, index apply rate, longest-match latency.
+//! Criterion benchmarks of the core: body intake, hashing, index apply rate, longest-match
+//! latency.
 //! Run with `make bench` (or `cargo bench -p kvroute`).
 
 use criterion::{
@@ -7,6 +8,7 @@ use criterion::{
 use kvroute::event::{EngineHash, KvEvent, StoredBlock, Tier, WorkerId};
 use kvroute::hash::{self, BASE_SEED};
 use kvroute::index::{Index, IndexConfig};
+use kvroute::intake::{scan_json, scan_json_bytewise, FieldKind, Found};
 use kvroute::scope::{BlockKey, ScopeId};
 
 const BLOCK: usize = 16;
@@ -15,6 +17,51 @@ fn tokens(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
         .map(|i| i.wrapping_mul(2_654_435_761).wrapping_add(salt))
         .collect()
+}
+
+/// The body `benches/v8/bench.mjs` and `bench_latency.py` send: ids below 150k, Python's
+/// `", "` separators, so native and V8 figures compare.
+fn completion_body(n: usize) -> Vec<u8> {
+    let mut s: u64 = 12345;
+    let ids: Vec<String> = (0..n)
+        .map(|_| {
+            s = (s * 1_103_515_245 + 12345) % 2_147_483_648;
+            (s % 150_000).to_string()
+        })
+        .collect();
+    format!(
+        "{{\"model\": \"m\", \"prompt\": [{}], \"max_tokens\": 1}}",
+        ids.join(", ")
+    )
+    .into_bytes()
+}
+
+fn intake(c: &mut Criterion) {
+    const FIELDS: [(&str, FieldKind); 4] = [
+        ("prompt", FieldKind::TokensOrText),
+        ("model", FieldKind::Str),
+        ("max_tokens", FieldKind::Uint),
+        ("messages", FieldKind::Raw),
+    ];
+    let mut g = c.benchmark_group("intake/scan_json");
+    let mut tokens = Vec::new();
+    let mut found = [Found::Absent; 4];
+    for n in [1024usize, 8192] {
+        let body = completion_body(n);
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        g.bench_with_input(BenchmarkId::new("words", n), &body, |b, body| {
+            b.iter(|| {
+                scan_json(black_box(body), &FIELDS, &mut tokens, &mut found, 1 << 20).unwrap()
+            })
+        });
+        g.bench_with_input(BenchmarkId::new("bytewise", n), &body, |b, body| {
+            b.iter(|| {
+                scan_json_bytewise(black_box(body), &FIELDS, &mut tokens, &mut found, 1 << 20)
+                    .unwrap()
+            })
+        });
+    }
+    g.finish();
 }
 
 fn hashing(c: &mut Criterion) {
@@ -133,5 +180,5 @@ fn lookup(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, hashing, apply, lookup);
+criterion_group!(benches, intake, hashing, apply, lookup);
 criterion_main!(benches);

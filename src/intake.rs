@@ -17,6 +17,8 @@
 //! request to the next: the block size that hashing needs may only be known from a field that
 //! comes after the prompt (`model`), so the tokens are kept, not hashed, while scanning.
 
+mod window;
+
 /// Why intake failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -927,7 +929,13 @@ fn short_number(window: &[u8]) -> Option<(u64, usize)> {
 #[inline]
 fn short_tokens(b: &[u8], mut i: usize, tokens: &mut Vec<u32>, limit: usize) -> (usize, bool) {
     while let Some(win) = b.get(i..).and_then(|r| r.first_chunk::<72>()) {
-        let nondigit = nondigit_mask(win);
+        let nondigit = match window::take(win, tokens, limit) {
+            window::Window::Taken(n) => {
+                i += n;
+                continue;
+            }
+            window::Window::Left { nondigit } => nondigit,
+        };
         let digit = !nondigit;
         // The first digit of every run of digits in the window.
         let mut starts = digit & !(digit << 1);
@@ -968,21 +976,6 @@ fn short_tokens(b: &[u8], mut i: usize, tokens: &mut Vec<u32>, limit: usize) -> 
         i += p;
     }
     (i, false)
-}
-
-/// Bit `k` set when `w[k]` is not an ASCII digit, for the first 64 bytes of `w`.
-#[inline]
-fn nondigit_mask(w: &[u8; 72]) -> u64 {
-    let mut m = 0u64;
-    for k in 0..8 {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(&w[k * 8..k * 8 + 8]);
-        let x = u64::from_le_bytes(word).wrapping_sub(0x3030_3030_3030_3030);
-        let flags = (x | x.wrapping_add(0x7676_7676_7676_7676)) & 0x8080_8080_8080_8080;
-        // Gather the eight flag bits (one per byte) into one byte, byte k to bit k.
-        m |= ((flags >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56) << (8 * k);
-    }
-    m
 }
 
 /// The value of the `digits` (1 to 7) ASCII digits at the start of the little-endian word

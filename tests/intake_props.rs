@@ -436,10 +436,13 @@ fn both_paths(body: &[u8], max_tokens: usize) -> Result<(Vec<u32>, [Found; 3]), 
 
 /// A long token array in the forms clients write (`,` or `, ` mostly, sometimes other
 /// whitespace), numbers of every length, with some odd elements (leading zeros, signs,
-/// fractions, 8 to 11 digits) where `odd` says.
-fn token_body(elems: &[(u32, u8, u8)], odd: u8) -> String {
+/// fractions, 8 to 11 digits) where `odd` says. `uniform` writes every separator as the
+/// first, so whole 64-byte windows of clean tokens (the scanner's window path) are common.
+fn token_body(elems: &[(u32, u8, u8)], odd: u8, uniform: bool) -> String {
     let mut out = String::from(r#"{"model":"m","prompt":["#);
+    let first_sep = elems.first().map_or(0, |e| e.2);
     for (k, &(v, digits, sep)) in elems.iter().enumerate() {
+        let sep = if uniform { first_sep } else { sep };
         // Numbers of every length: the value cut to `digits` digits (1..=10).
         let n = v as u64 % 10u64.pow(u32::from(digits % 10 + 1));
         let num = match (odd != 0 && k % 97 == odd as usize % 97, odd % 6) {
@@ -480,8 +483,9 @@ proptest! {
         at in any::<usize>(),
         byte in prop_oneof![Just(b','), Just(b' '), Just(b']'), Just(b'0'), Just(b'7'), Just(b'\n'), Just(b'.'), Just(b'-'), any::<u8>()],
         limit in 1usize..500,
+        uniform in any::<bool>(),
     ) {
-        let body = token_body(&elems, odd);
+        let body = token_body(&elems, odd, uniform);
         let b = body.as_bytes();
         let got = both_paths(b, 1 << 20);
         if odd == 0 {
@@ -495,5 +499,14 @@ proptest! {
         m[at % b.len()] = byte;
         both_paths(&m, 1 << 20).ok();
         both_paths(b, limit).ok();
+    }
+}
+
+#[test]
+fn windows_without_a_token_start_are_left_to_the_byte_path() {
+    // The word path meets 64 bytes without a digit where a token should start.
+    for odd in ["\"", "-", " ", "[", "x"] {
+        let body = format!(r#"{{"prompt":[1, 2, {}], "model": "m"}}"#, odd.repeat(80));
+        assert!(both_paths(body.as_bytes(), 1 << 20).is_err(), "{body}");
     }
 }

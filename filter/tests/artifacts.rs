@@ -280,3 +280,57 @@ fn the_design_example_configuration_is_accepted() {
         Some(std::time::Duration::from_millis(100))
     );
 }
+
+/// Validates the module at `path` as a runtime without wasm SIMD would.
+fn validate_without_simd(path: &std::path::Path) -> Result<(), String> {
+    use wasmparser::{Validator, WasmFeatures};
+    let bytes = std::fs::read(path).expect("read module");
+    let features = WasmFeatures::default() - WasmFeatures::SIMD - WasmFeatures::RELAXED_SIMD;
+    Validator::new_with_features(features)
+        .validate_all(&bytes)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn the_stock_module_uses_simd_and_the_scalar_module_runs_without_it() {
+    // The stock build's token scanner compares 16 bytes at a time (.cargo/config.toml turns
+    // SIMD on): a runtime without SIMD refuses it, and takes kvroute_filter_scalar.wasm.
+    let err = validate_without_simd(&wasm()).expect_err("the stock module has no SIMD");
+    assert!(err.contains("SIMD"), "{err}");
+    validate_without_simd(&wasm_scalar()).expect("the scalar module validates without SIMD");
+}
+
+#[test]
+fn the_scalar_module_reads_and_refuses_bodies_as_the_stock_module_does() {
+    let prompt = tokens(100_000, 8192);
+    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    // Python's separators (`, `), the body the window path reads 64 bytes at a time.
+    let body = format!(r#"{{"model": "m", "prompt": [{}]}}"#, ids.join(", "));
+    let mut odd = ids.clone();
+    odd[5000] = "1.5".into();
+    let bad = format!(r#"{{"model": "m", "prompt": [{}]}}"#, odd.join(", "));
+    for module in [wasm(), wasm_scalar()] {
+        let feed = FakeCollector::new();
+        two_instances(&feed);
+        feed.hold(1, &prompt, "default", "m", None, None);
+        let mut gw = kvroute_host_test::Gateway::builder(&module)
+            .config(config(json!({})))
+            .plugin_name(PLUGIN)
+            .allow_on_headers_stop_iteration(true)
+            .build()
+            .unwrap_or_else(|e| panic!("{}: {e}", module.display()));
+        feed.attach(&mut gw);
+        sync(&mut gw);
+        let send = |gw: &mut kvroute_host_test::Gateway, body: &str| {
+            gw.request()
+                .header("content-type", "application/json")
+                .body(body.as_bytes().to_vec())
+                .send()
+        };
+        let o = send(&mut gw, &body);
+        assert_eq!(best(&o), Some(B), "{}: {}", module.display(), debug(&o));
+        let o = send(&mut gw, &bad);
+        assert_fail_open(&gw, &o, "bad_body", 0);
+    }
+}

@@ -27,6 +27,11 @@ pub fn wasm_higress() -> PathBuf {
     built_wasm("kvroute_filter_higress").unwrap_or_else(|e| panic!("{e}: run make wasm"))
 }
 
+/// The stock module built without wasm SIMD, for runtimes that refuse it.
+pub fn wasm_scalar() -> PathBuf {
+    built_wasm("kvroute_filter_scalar").unwrap_or_else(|e| panic!("{e}: run make wasm"))
+}
+
 /// A config with the collector cluster, a fixed seed, the debug header and `extra` keys laid
 /// over the top level.
 pub fn config(extra: serde_json::Value) -> String {
