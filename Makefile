@@ -56,6 +56,7 @@ lint: setup layout
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -j$(JOBS) --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -j$(JOBS) --target wasm32-wasip1 -p kvroute -p kvroute-filter -- -D warnings
+	CARGO_TARGET_WASM32_WASIP1_RUSTFLAGS="-C target-feature=-simd128" $(CARGO) clippy -j$(JOBS) --target wasm32-wasip1 -p kvroute --target-dir $(SCALAR_TARGET_DIR) -- -D warnings
 	$(CARGO) rustdoc -j$(JOBS) -p kvroute --lib -- -D missing_docs
 
 ## The layout rules (no import cycle between a crate's files, no oversized file without a

@@ -907,13 +907,7 @@ fn short_number(window: &[u8]) -> Option<(u64, usize)> {
         return None;
     }
     // Keep the digits, moved to the top bytes: the bytes below become leading zeros.
-    let v = x << (8 * (8 - digits));
-    let v = v.wrapping_mul(10).wrapping_add(v >> 8);
-    let v = ((v & 0x0000_00FF_0000_00FF)
-        .wrapping_mul(100 + (1_000_000 << 32))
-        .wrapping_add(((v >> 16) & 0x0000_00FF_0000_00FF).wrapping_mul(1 + (10_000 << 32))))
-        >> 32;
-    Some((v, digits))
+    Some((eight_digits(x << (8 * (8 - digits))), digits))
 }
 
 /// Reads the common tokens of a token array from `b[i..]` into `tokens` (while it holds fewer
@@ -979,12 +973,24 @@ fn short_tokens(b: &[u8], mut i: usize, tokens: &mut Vec<u32>, limit: usize) -> 
 }
 
 /// The value of the `digits` (1 to 7) ASCII digits at the start of the little-endian word
-/// `raw` (SWAR, as in simdjson's `parse_eight_digits_unrolled`).
+/// `raw`.
 #[inline]
 fn swar_digits(raw: u64, digits: usize) -> u64 {
-    let x = raw.wrapping_sub(0x3030_3030_3030_3030);
-    // Keep the digits, moved to the top bytes: the bytes below become leading zeros.
-    let v = x << (8 * (8 - digits));
+    eight_digits(aligned_digits(raw, digits))
+}
+
+/// The first `digits` (1 to 7) ASCII digits of the little-endian word `raw` as byte values
+/// 0–9 moved to the word's top, zeros below: an eight-digit number with leading zeros, its
+/// most significant digit in the lowest byte.
+#[inline]
+fn aligned_digits(raw: u64, digits: usize) -> u64 {
+    raw.wrapping_sub(0x3030_3030_3030_3030) << (8 * (8 - digits))
+}
+
+/// The value of eight digits laid out as [`aligned_digits`] gives them (SWAR, as in
+/// simdjson's `parse_eight_digits_unrolled`): pairs, then fours, then the eight.
+#[inline]
+fn eight_digits(v: u64) -> u64 {
     let v = v.wrapping_mul(10).wrapping_add(v >> 8);
     ((v & 0x0000_00FF_0000_00FF)
         .wrapping_mul(100 + (1_000_000 << 32))

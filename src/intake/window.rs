@@ -192,15 +192,60 @@ pub(crate) fn read(
         return None;
     }
     let nondigit = !d;
-    tokens.reserve(count);
-    while st != 0 {
-        let at = st.trailing_zeros() as usize;
-        st &= st - 1;
+    // The digits of a token at `at`, laid out as eight with leading zeros.
+    let laid_out = |at: usize| {
         let digits = (nondigit >> at).trailing_zeros() as usize;
         let word = win[at..].first_chunk::<8>().copied().unwrap_or_default();
-        tokens.push(super::swar_digits(u64::from_le_bytes(word), digits) as u32);
+        super::aligned_digits(u64::from_le_bytes(word), digits)
+    };
+    tokens.reserve(count);
+    // Four tokens at a time: laid out one by one, their values combined together.
+    for _ in 0..count / 4 {
+        let mut four = [0u64; 4];
+        for lane in &mut four {
+            *lane = laid_out(st.trailing_zeros() as usize);
+            st &= st - 1;
+        }
+        tokens.extend_from_slice(&values4(four));
+    }
+    while st != 0 {
+        tokens.push(super::eight_digits(laid_out(st.trailing_zeros() as usize)) as u32);
+        st &= st - 1;
     }
     Some(last)
+}
+
+/// The values of four tokens laid out by [`super::aligned_digits`], in 16-bit then 32-bit
+/// lanes: pairs of digits (`a·10 + b`), fours (a dot product by 100 and 1), then eights (a
+/// dot product by 10,000 and 1 after narrowing to 16 bits; every four fits).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline]
+fn values4(four: [u64; 4]) -> [u32; 4] {
+    use core::arch::wasm32::*;
+    let fours = |lo: u64, hi: u64| {
+        let v = u64x2(lo, hi);
+        // Byte 2k is the more significant digit of pair k (the lowest byte is the first).
+        let pairs = i16x8_add(
+            i16x8_mul(v128_and(v, u16x8_splat(0x00ff)), u16x8_splat(10)),
+            u16x8_shr(v, 8),
+        );
+        i32x4_dot_i16x8(pairs, i32x4_splat((1 << 16) | 100))
+    };
+    let fours = i16x8_narrow_i32x4(fours(four[0], four[1]), fours(four[2], four[3]));
+    let v = i32x4_dot_i16x8(fours, i32x4_splat((1 << 16) | 10_000));
+    [
+        u32x4_extract_lane::<0>(v),
+        u32x4_extract_lane::<1>(v),
+        u32x4_extract_lane::<2>(v),
+        u32x4_extract_lane::<3>(v),
+    ]
+}
+
+/// [`values4`] a word at a time (native builds: SSE2 has no cheap way to write four lanes).
+#[cfg(all(simd, not(all(target_arch = "wasm32", target_feature = "simd128"))))]
+#[inline]
+fn values4(four: [u64; 4]) -> [u32; 4] {
+    four.map(|v| super::eight_digits(v) as u32)
 }
 
 #[cfg(all(test, simd))]
@@ -254,6 +299,19 @@ mod tests {
     }
 
     proptest! {
+        /// Four tokens' values from 16-bit lanes are the words' one at a time.
+        #[test]
+        fn four_values_together_are_each_alone(
+            four in prop::array::uniform4((1usize..=7, any::<u64>())),
+        ) {
+            let words = four.map(|(digits, seed)| {
+                let ascii: [u8; 8] = core::array::from_fn(|k| b'0' + (seed >> (k * 4)) as u8 % 10);
+                super::super::aligned_digits(u64::from_le_bytes(ascii), digits)
+            });
+            let one_by_one = words.map(|w| super::super::eight_digits(w) as u32);
+            prop_assert_eq!(values4(words), one_by_one);
+        }
+
         /// The SIMD masks are the byte loop's on any bytes, the classes' boundaries included.
         #[test]
         fn simd_masks_are_the_byte_loops(w in prop::collection::vec(
@@ -264,4 +322,3 @@ mod tests {
         }
     }
 }
-
