@@ -415,8 +415,8 @@ def write_markdown(results: dict, out: Path, args) -> None:
                 floor = above = "-"
             lines.append(f"| {size} | {a50:+.0f} | {a99:+.0f} | {100 * ratio:.1f} % | {dcpu} "
                          f"| {floor} | {above} | {tgt} |")
-    order = ["header_intake", "body_copy", "body_intake", "hash", "lookup", "decision", "books",
-             "header_set", "release"]
+    order = ["header_intake", "body_copy", "body_intake", "hash", "state", "lookup", "decision",
+             "books", "header_set", "release"]
     if args.timing:
         lines += ["", "Filter phases inside Envoy (timing mode; mean µs per request that reached "
                   "the phase, `kvroute.timing.<phase>_ns` sum / count over this size's "

@@ -310,6 +310,7 @@ impl Http {
         };
         let seed = hash::seed(lora, salt);
         let scope = ScopeId::of(tenant, model, lora, salt);
+        vm.timing.lap(&mut self.clock, Timed::State);
         let Scratch {
             body_tokens,
             str_tokens,
@@ -343,7 +344,7 @@ impl Http {
         );
         let query_blocks = view.blocks();
         // Timing mode hashes the whole prompt here, so that hashing and the bisection are
-        // timed apart (the state and meta reads above count as lookup).
+        // timed apart (the state and meta reads above are the `state` phase).
         vm.timing.lap(&mut self.clock, Timed::Lookup);
         if vm.timing.on() {
             if let Some(last) = query_blocks.checked_sub(1) {

@@ -33,8 +33,11 @@ pub(crate) enum Phase {
     BodyIntake,
     /// Sequence hashes of the prompt's full blocks.
     Hash,
-    /// The sync state, the meta cache, the bisection over the buckets and the speculative
-    /// holders.
+    /// The sync state read, the VM's cache of the meta and worker table checked against it
+    /// (and refreshed when the index moved), the model's scope: shared-data crossings
+    /// mostly.
+    State,
+    /// The bisection over the buckets and the speculative holders.
     Lookup,
     /// The load picture read and the decision (`router::route`).
     Decision,
@@ -48,11 +51,12 @@ pub(crate) enum Phase {
 
 impl Phase {
     /// Every phase, in metric-id order.
-    pub const ALL: [Phase; 9] = [
+    pub const ALL: [Phase; 10] = [
         Phase::HeaderIntake,
         Phase::BodyCopy,
         Phase::BodyIntake,
         Phase::Hash,
+        Phase::State,
         Phase::Lookup,
         Phase::Decision,
         Phase::Books,
@@ -67,6 +71,7 @@ impl Phase {
             Phase::BodyCopy => "kvroute.timing.body_copy_ns",
             Phase::BodyIntake => "kvroute.timing.body_intake_ns",
             Phase::Hash => "kvroute.timing.hash_ns",
+            Phase::State => "kvroute.timing.state_ns",
             Phase::Lookup => "kvroute.timing.lookup_ns",
             Phase::Decision => "kvroute.timing.decision_ns",
             Phase::Books => "kvroute.timing.books_ns",

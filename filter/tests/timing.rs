@@ -5,11 +5,12 @@ use serde_json::json;
 
 use crate::common::*;
 
-const PHASES: [&str; 9] = [
+const PHASES: [&str; 10] = [
     "header_intake",
     "body_copy",
     "body_intake",
     "hash",
+    "state",
     "lookup",
     "decision",
     "books",
