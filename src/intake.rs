@@ -17,7 +17,10 @@
 //! request to the next: the block size that hashing needs may only be known from a field that
 //! comes after the prompt (`model`), so the tokens are kept, not hashed, while scanning.
 
+mod digits;
 mod window;
+
+use digits::{eight_digits, swar_digits};
 
 /// Why intake failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -970,32 +973,6 @@ fn short_tokens(b: &[u8], mut i: usize, tokens: &mut Vec<u32>, limit: usize) -> 
         i += p;
     }
     (i, false)
-}
-
-/// The value of the `digits` (1 to 7) ASCII digits at the start of the little-endian word
-/// `raw`.
-#[inline]
-fn swar_digits(raw: u64, digits: usize) -> u64 {
-    eight_digits(aligned_digits(raw, digits))
-}
-
-/// The first `digits` (1 to 7) ASCII digits of the little-endian word `raw` as byte values
-/// 0–9 moved to the word's top, zeros below: an eight-digit number with leading zeros, its
-/// most significant digit in the lowest byte.
-#[inline]
-fn aligned_digits(raw: u64, digits: usize) -> u64 {
-    raw.wrapping_sub(0x3030_3030_3030_3030) << (8 * (8 - digits))
-}
-
-/// The value of eight digits laid out as [`aligned_digits`] gives them (SWAR, as in
-/// simdjson's `parse_eight_digits_unrolled`): pairs, then fours, then the eight.
-#[inline]
-fn eight_digits(v: u64) -> u64 {
-    let v = v.wrapping_mul(10).wrapping_add(v >> 8);
-    ((v & 0x0000_00FF_0000_00FF)
-        .wrapping_mul(100 + (1_000_000 << 32))
-        .wrapping_add(((v >> 16) & 0x0000_00FF_0000_00FF).wrapping_mul(1 + (10_000 << 32))))
-        >> 32
 }
 
 /// Whether any byte of `x` is `"`, `\` or below 0x20 (SWAR).

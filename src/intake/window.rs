@@ -9,6 +9,9 @@
 //! tested against. A window that fails the check also goes to the per-token path, which reads
 //! (or refuses) it exactly as the byte-at-a-time parser would.
 
+#[cfg(simd)]
+use super::digits::{aligned_digits, eight_digits};
+
 /// What [`take`] made of a window.
 pub(crate) enum Window {
     /// Its tokens were read; the next window starts this many bytes further.
@@ -196,7 +199,7 @@ pub(crate) fn read(
     let laid_out = |at: usize| {
         let digits = (nondigit >> at).trailing_zeros() as usize;
         let word = win[at..].first_chunk::<8>().copied().unwrap_or_default();
-        super::aligned_digits(u64::from_le_bytes(word), digits)
+        aligned_digits(u64::from_le_bytes(word), digits)
     };
     tokens.reserve(count);
     // Four tokens at a time: laid out one by one, their values combined together.
@@ -209,13 +212,13 @@ pub(crate) fn read(
         tokens.extend_from_slice(&values4(four));
     }
     while st != 0 {
-        tokens.push(super::eight_digits(laid_out(st.trailing_zeros() as usize)) as u32);
+        tokens.push(eight_digits(laid_out(st.trailing_zeros() as usize)) as u32);
         st &= st - 1;
     }
     Some(last)
 }
 
-/// The values of four tokens laid out by [`super::aligned_digits`], in 16-bit then 32-bit
+/// The values of four tokens laid out by [`aligned_digits`], in 16-bit then 32-bit
 /// lanes: pairs of digits (`a·10 + b`), fours (a dot product by 100 and 1), then eights (a
 /// dot product by 10,000 and 1 after narrowing to 16 bits; every four fits).
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
@@ -245,7 +248,7 @@ fn values4(four: [u64; 4]) -> [u32; 4] {
 #[cfg(all(simd, not(all(target_arch = "wasm32", target_feature = "simd128"))))]
 #[inline]
 fn values4(four: [u64; 4]) -> [u32; 4] {
-    four.map(|v| super::eight_digits(v) as u32)
+    four.map(|v| eight_digits(v) as u32)
 }
 
 #[cfg(all(test, simd))]
@@ -306,9 +309,9 @@ mod tests {
         ) {
             let words = four.map(|(digits, seed)| {
                 let ascii: [u8; 8] = core::array::from_fn(|k| b'0' + (seed >> (k * 4)) as u8 % 10);
-                super::super::aligned_digits(u64::from_le_bytes(ascii), digits)
+                aligned_digits(u64::from_le_bytes(ascii), digits)
             });
-            let one_by_one = words.map(|w| super::super::eight_digits(w) as u32);
+            let one_by_one = words.map(|w| eight_digits(w) as u32);
             prop_assert_eq!(values4(words), one_by_one);
         }
 
