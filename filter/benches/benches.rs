@@ -151,11 +151,11 @@ fn gateway_of(wasm: PathBuf, image: &[(String, Vec<u8>)], with_fuel: bool, extra
     gw.prefill_shared_data(image.iter().map(|(k, v)| (k.clone(), v.clone())));
     // The image's sync time is 0 (the epoch); the host clock starts in 2026: fix the state.
     let keys = Keys::new("kvroute");
-    let (mut state, _) = mirror::SyncState::decode(&gw.shared_data(&keys.active()).unwrap().0)
+    let (mut state, _) = mirror::SyncState::decode(&gw.shared_data(keys.active()).unwrap().0)
         .map(|s| (s, 0))
         .unwrap();
     state.synced_at_ms = gw.now_nanos() / 1_000_000;
-    gw.set_shared_data(&keys.active(), state.encode());
+    gw.set_shared_data(keys.active(), state.encode());
     // The collector answers nothing new: the index stays as loaded.
     gw.cluster("kvroute_collector", |_| {
         CalloutReply::Response(Response::new(503))

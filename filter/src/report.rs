@@ -263,7 +263,7 @@ pub fn gateway_id(vm: &Vm) -> Option<String> {
         return Some(id.clone());
     }
     let key = vm.keys.gateway();
-    let (value, cas) = HostStore.get(&key).ok()?;
+    let (value, cas) = HostStore.get(key).ok()?;
     if let Some(v) = value.and_then(|v| String::from_utf8(v).ok()) {
         return Some(v);
     }
@@ -277,11 +277,11 @@ pub fn gateway_id(vm: &Vm) -> Option<String> {
         .unwrap_or_else(|| "envoy".to_owned());
     // The clock too: test setups give every replica the same fixed random seed.
     let id = format!("{node}-{:016x}", r ^ host::now_ms().rotate_left(32));
-    match HostStore.set(&key, id.as_bytes(), cas) {
+    match HostStore.set(key, id.as_bytes(), cas) {
         Ok(()) => Some(id),
         // Another VM made one first: use theirs.
         Err(_) => HostStore
-            .get(&key)
+            .get(key)
             .ok()
             .and_then(|(v, _)| v)
             .and_then(|v| String::from_utf8(v).ok()),
@@ -305,7 +305,7 @@ pub fn send(vm: &Vm, cluster: &str, now: u64, holds_after: u64) -> Option<(u32, 
     }
     let gateway = gateway_id(vm)?;
     let table = HostStore
-        .get(&vm.keys.load())
+        .get(vm.keys.load())
         .ok()
         .and_then(|(v, _)| v)
         .unwrap_or_default();
@@ -500,7 +500,7 @@ pub fn take_fleet(vm: &Vm, page: &Page, now: u64, excludes_own: bool, replica: R
     let cut = now.saturating_sub(LEAK_AGE_MS);
     let mut cleared = 0;
     // A missing table clears nothing, so nothing is written.
-    let wrote = mirror::update_value(&HostStore, &vm.keys.load(), None, |table| {
+    let wrote = mirror::update_value(&HostStore, vm.keys.load(), None, |table| {
         cleared = idle
             .iter()
             .filter(|s| mirror::load_clear_stale(table, LoadId::slot(**s), cut))

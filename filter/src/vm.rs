@@ -125,7 +125,7 @@ impl MetaCache {
             return;
         }
         let meta = store
-            .get(&keys.meta(state.gen))
+            .get(keys.meta(state.gen))
             .ok()
             .and_then(|(v, _)| v)
             .and_then(|v| Meta::decode(&v, state.stamp))

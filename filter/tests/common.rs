@@ -455,7 +455,7 @@ pub fn in_flight(gw: &Gateway, slot: u32) -> u32 {
 /// Everything the filter booked for worker slot `slot`.
 pub fn booked(gw: &Gateway, slot: u32) -> mirror::Load {
     let table = gw
-        .shared_data(&keys().load())
+        .shared_data(keys().load())
         .map(|(v, _)| v)
         .unwrap_or_default();
     mirror::load_get(&table, LoadId::slot(slot), u64::MAX, u64::MAX)

@@ -362,7 +362,7 @@ fn rate_after_answer(
     gw.advance(Duration::from_millis(after));
     gw.respond(r, answer);
     let table = gw
-        .shared_data(&keys().load())
+        .shared_data(keys().load())
         .map(|(v, _)| v)
         .unwrap_or_default();
     let rate = kvroute::mirror::load_rate(&table, kvroute::mirror::LoadId::slot(slot));

@@ -212,7 +212,7 @@ fn a_lapsed_lease_is_taken_over_by_another_vm() {
     // Another VM (a dead one) holds the lease for 2 more seconds.
     let now_ms = gw.now_nanos() / 1_000_000;
     gw.set_shared_data(
-        &keys().lease(),
+        keys().lease(),
         Lease {
             holder: 999_999,
             expires_ms: now_ms + 2_000,
@@ -228,7 +228,7 @@ fn a_lapsed_lease_is_taken_over_by_another_vm() {
     assert_fail_open(&gw, &o, "stale_index", before);
     gw.advance(Duration::from_millis(1_500));
     assert!(feed.pulls() > 0, "the lease lapsed and a live VM took it");
-    let lease = Lease::decode(&gw.shared_data(&keys().lease()).unwrap().0).unwrap();
+    let lease = Lease::decode(&gw.shared_data(keys().lease()).unwrap().0).unwrap();
     assert_ne!(lease.holder, 999_999);
     assert_eq!(best(&complete(&mut gw, "m", &tokens(0, 64))), Some(A));
 }

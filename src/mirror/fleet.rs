@@ -211,7 +211,7 @@ impl Fleet {
 /// Reads the fleet value (empty when absent or unreadable).
 pub fn read_fleet<S: Store>(store: &S, keys: &Keys) -> Fleet {
     store
-        .get(&keys.fleet())
+        .get(keys.fleet())
         .ok()
         .and_then(|(v, _)| v)
         .map(|v| Fleet::decode(&v))
@@ -227,7 +227,7 @@ pub fn update_fleet<S: Store>(
     keys: &Keys,
     mut change: impl FnMut(&mut Fleet) -> bool,
 ) -> Result<(), StoreError> {
-    update_value(store, &keys.fleet(), None, |v: &mut Vec<u8>| {
+    update_value(store, keys.fleet(), None, |v: &mut Vec<u8>| {
         let mut fleet = Fleet::decode(v);
         let write = change(&mut fleet);
         if write {

@@ -41,17 +41,34 @@ impl Limits {
     }
 }
 
-/// Key names of one plugin's layout.
+/// Key names of one plugin's layout. The fixed ones are made once: the request path names
+/// several per request, and formatting each anew costs more in wasm than its read.
 #[derive(Clone, Debug)]
 pub struct Keys {
     prefix: String,
+    lease: String,
+    vm_seq: String,
+    active: String,
+    load: String,
+    fleet: String,
+    gateway: String,
+    meta: [String; 2],
 }
 
 impl Keys {
     /// The keys of plugin `plugin`.
     pub fn new(plugin: &str) -> Keys {
+        let prefix = format!("kvroute/{plugin}/v{LAYOUT_VERSION}");
+        let key = |name: &str| format!("{prefix}/{name}");
         Keys {
-            prefix: format!("kvroute/{plugin}/v{LAYOUT_VERSION}"),
+            lease: key("lease"),
+            vm_seq: key("vmseq"),
+            active: key("active"),
+            load: key("load"),
+            fleet: key("fleet"),
+            gateway: key("gateway"),
+            meta: [key("g0/meta"), key("g1/meta")],
+            prefix,
         }
     }
 
@@ -61,44 +78,53 @@ impl Keys {
     }
 
     /// The lease key.
-    pub fn lease(&self) -> String {
-        format!("{}/lease", self.prefix)
+    pub fn lease(&self) -> &str {
+        &self.lease
     }
 
     /// The VM-id counter key.
-    pub fn vm_seq(&self) -> String {
-        format!("{}/vmseq", self.prefix)
+    pub fn vm_seq(&self) -> &str {
+        &self.vm_seq
     }
 
     /// The sync-state key.
-    pub fn active(&self) -> String {
-        format!("{}/active", self.prefix)
+    pub fn active(&self) -> &str {
+        &self.active
     }
 
     /// The in-flight load table key.
-    pub fn load(&self) -> String {
-        format!("{}/load", self.prefix)
+    pub fn load(&self) -> &str {
+        &self.load
     }
 
     /// The fleet load key (`fleet.rs`).
-    pub fn fleet(&self) -> String {
-        format!("{}/fleet", self.prefix)
+    pub fn fleet(&self) -> &str {
+        &self.fleet
     }
 
     /// The key holding this Envoy's gateway id, made once.
-    pub fn gateway(&self) -> String {
-        format!("{}/gateway", self.prefix)
+    pub fn gateway(&self) -> &str {
+        &self.gateway
     }
 
     /// The key of speculative-holder table `shard` (`speculative.rs`): a prompt's entries all
     /// go to the shard of its first block, which its siblings share.
     pub fn speculative(&self, shard: u32) -> String {
-        format!("{}/spec/{shard}", self.prefix)
+        // Hand-rolled as `bucket_into`: one or two of these per request.
+        let mut out = String::with_capacity(self.prefix.len() + 16);
+        out.push_str(&self.prefix);
+        out.push_str("/spec/");
+        let digits = shard.checked_ilog10().unwrap_or(0) + 1;
+        for i in (0..digits).rev() {
+            let d = shard / 10u32.pow(i) % 10;
+            out.push(char::from_digit(d, 10).unwrap_or('0'));
+        }
+        out
     }
 
     /// The meta key of generation `gen` (0 or 1).
-    pub fn meta(&self, gen: u8) -> String {
-        format!("{}/g{}/meta", self.prefix, gen & 1)
+    pub fn meta(&self, gen: u8) -> &str {
+        &self.meta[usize::from(gen & 1)]
     }
 
     /// Writes the key of bucket `idx` of generation `gen` into `out` (cleared first), so the

@@ -426,7 +426,7 @@ pub fn load_update_seen<S: Store>(
     ttl_ms: u64,
 ) -> Result<bool, StoreError> {
     let first = seen.filter(|(_, cas)| *cas != 0);
-    update_value(store, &keys.load(), first, |t| {
+    update_value(store, keys.load(), first, |t| {
         load_add(t, capacity, id, delta, now_ms, ttl_ms)
     })
 }

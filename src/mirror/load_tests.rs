@@ -41,7 +41,7 @@ fn load_counts_saturate_and_expire() {
     )
     .unwrap();
     load_update(&store, &keys, 8, LoadId::slot(10), delta(1, 5, 0), 10, 1000).unwrap();
-    let t = store.get(&keys.load()).unwrap().0.unwrap();
+    let t = store.get(keys.load()).unwrap().0.unwrap();
     assert_eq!(load_get(&t, LoadId::slot(2), 20, 1000), counts(2, 150, 272));
     assert_eq!(load_get(&t, LoadId::slot(10), 20, 1000), counts(1, 5, 0));
     assert_eq!(
@@ -68,7 +68,7 @@ fn load_counts_saturate_and_expire() {
         1000,
     )
     .unwrap();
-    let t = store.get(&keys.load()).unwrap().0.unwrap();
+    let t = store.get(keys.load()).unwrap().0.unwrap();
     assert_eq!(load_get(&t, LoadId::slot(2), 30, 1000), counts(2, 50, 272));
     load_update(
         &store,
@@ -80,7 +80,7 @@ fn load_counts_saturate_and_expire() {
         1000,
     )
     .unwrap();
-    let t = store.get(&keys.load()).unwrap().0.unwrap();
+    let t = store.get(keys.load()).unwrap().0.unwrap();
     assert_eq!(load_get(&t, LoadId::slot(2), 30, 1000), Load::default());
     assert_eq!(t.len(), 1 + 8 * 40, "eight entries of 40 bytes");
     assert_eq!(LoadId::instance("x").as_slot(), None);
@@ -192,7 +192,7 @@ fn a_booking_over_the_decisions_read_never_loses_a_write_made_since() {
     let keys = Keys::new("t");
     let (a, b) = (LoadId::slot(0), LoadId::slot(1));
     load_update(&store, &keys, 8, a, delta(1, 10, 0), 0, 1000).unwrap();
-    let (seen, cas) = store.get(&keys.load()).unwrap();
+    let (seen, cas) = store.get(keys.load()).unwrap();
     let seen = seen.unwrap();
     // Nobody wrote since the read: one write, on top of what was read.
     let reads = store.reads();
@@ -208,7 +208,7 @@ fn a_booking_over_the_decisions_read_never_loses_a_write_made_since() {
     )
     .unwrap());
     assert_eq!(store.reads(), reads, "no second read");
-    let t = store.get(&keys.load()).unwrap().0.unwrap();
+    let t = store.get(keys.load()).unwrap().0.unwrap();
     assert_eq!(load_get(&t, a, 1, 1000), counts(1, 10, 0));
     assert_eq!(load_get(&t, b, 1, 1000), counts(1, 5, 0));
     // Another VM wrote since (b's booking): the stale read is dropped, nothing is lost.
@@ -223,7 +223,7 @@ fn a_booking_over_the_decisions_read_never_loses_a_write_made_since() {
         1000
     )
     .unwrap());
-    let t = store.get(&keys.load()).unwrap().0.unwrap();
+    let t = store.get(keys.load()).unwrap().0.unwrap();
     assert_eq!(load_get(&t, a, 2, 1000), counts(2, 11, 0));
     assert_eq!(
         load_get(&t, b, 2, 1000),
@@ -242,7 +242,7 @@ fn a_booking_over_the_decisions_read_never_loses_a_write_made_since() {
         1000
     )
     .unwrap());
-    let t = store.get(&keys.load()).unwrap().0.unwrap();
+    let t = store.get(keys.load()).unwrap().0.unwrap();
     assert_eq!(load_get(&t, b, 3, 1000), Load::default());
     assert_eq!(load_get(&t, a, 3, 1000), counts(2, 11, 0));
 }

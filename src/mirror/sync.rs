@@ -203,7 +203,7 @@ pub fn acquire_lease<S: Store>(
     duration_ms: u64,
 ) -> Result<bool, StoreError> {
     let key = keys.lease();
-    let (value, cas) = store.get(&key)?;
+    let (value, cas) = store.get(key)?;
     let current = value.as_deref().and_then(Lease::decode);
     if let Some(l) = current {
         if l.holder != me && l.expires_ms > now_ms {
@@ -216,7 +216,7 @@ pub fn acquire_lease<S: Store>(
     };
     // With no key yet, cas is 0 and the write is unconditional: two VMs may both "win" that
     // first race, and the next renewal (a CAS) settles it.
-    match store.set(&key, &lease.encode(), cas) {
+    match store.set(key, &lease.encode(), cas) {
         Ok(()) => Ok(true),
         Err(StoreError::CasMismatch) => Ok(false),
         Err(e) => Err(e),
@@ -229,7 +229,7 @@ pub fn acquire_lease<S: Store>(
 /// A host failure, or [`StoreError::CasMismatch`] after [`CAS_RETRIES`](super::CAS_RETRIES) lost races.
 pub fn next_vm_id<S: Store>(store: &S, keys: &Keys) -> Result<u64, StoreError> {
     let mut n = 0;
-    update_value(store, &keys.vm_seq(), None, |v| {
+    update_value(store, keys.vm_seq(), None, |v| {
         n = le_u64(v, 0) + 1;
         *v = n.to_le_bytes().to_vec();
         true
@@ -242,7 +242,7 @@ pub fn next_vm_id<S: Store>(store: &S, keys: &Keys) -> Result<u64, StoreError> {
 /// # Errors
 /// A host failure.
 pub fn read_state<S: Store>(store: &S, keys: &Keys) -> Result<(SyncState, u32), StoreError> {
-    let (value, cas) = store.get(&keys.active())?;
+    let (value, cas) = store.get(keys.active())?;
     Ok((
         value
             .as_deref()
@@ -399,7 +399,7 @@ fn apply_meta<S: Store>(
         Meta::default()
     } else {
         store
-            .get(&meta_key)?
+            .get(meta_key)?
             .0
             .as_deref()
             .and_then(|b| Meta::decode(b, t.stamp))
@@ -410,7 +410,7 @@ fn apply_meta<S: Store>(
         changed |= meta.apply(op, limits, stats);
     }
     if changed {
-        store.set(&meta_key, &meta.encode(t.stamp), 0)?;
+        store.set(meta_key, &meta.encode(t.stamp), 0)?;
     }
     Ok(changed)
 }
@@ -559,7 +559,7 @@ fn take_handover<S: Store>(
     }
     let meta_key = keys.meta(state.gen);
     let mut meta = store
-        .get(&meta_key)?
+        .get(meta_key)?
         .0
         .as_deref()
         .and_then(|b| Meta::decode(b, state.stamp))
@@ -577,7 +577,7 @@ fn take_handover<S: Store>(
         changed |= meta.apply(op, limits, &mut out.stats);
     }
     if changed {
-        store.set(&meta_key, &meta.encode(state.stamp), 0)?;
+        store.set(meta_key, &meta.encode(state.stamp), 0)?;
         state.meta_version = state.meta_version.wrapping_add(1);
     }
     state.epoch = page.epoch;
@@ -639,5 +639,5 @@ fn write_state<S: Store>(
     state: &SyncState,
     cas: u32,
 ) -> Result<(), StoreError> {
-    store.set(&keys.active(), &state.encode(), cas)
+    store.set(keys.active(), &state.encode(), cas)
 }

@@ -148,6 +148,17 @@ fn bucket_keys_are_hex() {
 }
 
 #[test]
+fn fixed_keys_and_speculative_shards_are_named_as_ever() {
+    let k = Keys::new("p");
+    assert_eq!(k.active(), "kvroute/p/v3/active");
+    assert_eq!(k.load(), "kvroute/p/v3/load");
+    assert_eq!(k.meta(3), "kvroute/p/v3/g1/meta");
+    for shard in [0, 7, 10, 99, 100, 4_095, u32::MAX] {
+        assert_eq!(k.speculative(shard), format!("kvroute/p/v3/spec/{shard}"));
+    }
+}
+
+#[test]
 fn full_bucket_drops_new_keys_only() {
     let mut rows = BucketRows::default();
     assert!(rows.add(BlockKey(1), 0, Tier::Gpu, 2));
@@ -289,7 +300,7 @@ fn a_replica_of_the_same_stream_takes_over_without_a_snapshot() {
         holders(&store, &keys, &l, 1 << 60),
         vec![(WorkerId(0), TierMask(1))]
     );
-    let meta = Meta::decode(&store.get(&keys.meta(st.gen)).unwrap().0.unwrap(), st.stamp);
+    let meta = Meta::decode(&store.get(keys.meta(st.gen)).unwrap().0.unwrap(), st.stamp);
     assert!(!meta.unwrap().workers[2].as_ref().unwrap().live);
     // Its deltas follow, in its epoch.
     let next = page(
@@ -379,7 +390,7 @@ fn meta_tracks_workers_sizes_and_aliases() {
     let a = apply_page(&store, &keys, &l, &page(Page::RESET, 1, 1, ops), 0).unwrap();
     assert_eq!(a.stats.bad_workers, 1);
     let (st, _) = read_state(&store, &keys).unwrap();
-    let meta = Meta::decode(&store.get(&keys.meta(st.gen)).unwrap().0.unwrap(), st.stamp).unwrap();
+    let meta = Meta::decode(&store.get(keys.meta(st.gen)).unwrap().0.unwrap(), st.stamp).unwrap();
     assert_eq!(meta.worker(3).unwrap().dp_rank, 1);
     assert_eq!(meta.block_size("default", "m"), Some(16));
     assert_eq!(meta.resolve("default", "ad"), ("m", Some("ad")));
@@ -395,7 +406,7 @@ fn meta_tracks_workers_sizes_and_aliases() {
     .unwrap();
     let (st, _) = read_state(&store, &keys).unwrap();
     assert_ne!(st.meta_version, v);
-    let meta = Meta::decode(&store.get(&keys.meta(st.gen)).unwrap().0.unwrap(), st.stamp).unwrap();
+    let meta = Meta::decode(&store.get(keys.meta(st.gen)).unwrap().0.unwrap(), st.stamp).unwrap();
     assert!(meta.worker(3).is_none());
 }
 

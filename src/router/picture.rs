@@ -34,7 +34,7 @@ impl Picture {
     /// Reads the load table and the fleet value at `now` (host milliseconds). A failed read
     /// is an empty table: no load known, which the decision handles.
     pub fn read<S: Store>(store: &S, keys: &Keys, cfg: PictureConfig, now: u64) -> Picture {
-        let (table, cas) = match store.get(&keys.load()) {
+        let (table, cas) = match store.get(keys.load()) {
             Ok((Some(v), cas)) => (v, cas),
             _ => (Vec::new(), 0),
         };

@@ -140,7 +140,7 @@ fn a_response_released_whole_leaves_the_books_as_the_two_steps_do() {
     // whole: the load tables (every count and the learned prefill rate) are byte for byte
     // the same, and the whole release writes once.
     use crate::mirror::Store as _;
-    let table = |f: &Fleet| f.store.get(&f.keys.load()).unwrap().0.unwrap();
+    let table = |f: &Fleet| f.store.get(f.keys.load()).unwrap().0.unwrap();
     for (idle, prefill_open) in [(true, true), (false, true), (true, false)] {
         let (two, one) = (Fleet::new(2, false), Fleet::new(2, false));
         let mut booked = Vec::new();
@@ -155,14 +155,14 @@ fn a_response_released_whole_leaves_the_books_as_the_two_steps_do() {
         let mut b = booked[0];
         two.books().release_prefill(&mut b, 250).unwrap();
         two.books().release(b, 250).unwrap();
-        let (_, cas) = one.store.get(&one.keys.load()).unwrap();
+        let (_, cas) = one.store.get(one.keys.load()).unwrap();
         one.books().release_whole(booked[1], 250).unwrap();
         assert_eq!(
             table(&one),
             table(&two),
             "idle {idle}, prefill open {prefill_open}"
         );
-        let (_, after) = one.store.get(&one.keys.load()).unwrap();
+        let (_, after) = one.store.get(one.keys.load()).unwrap();
         assert_eq!(after, cas + 1, "one write");
         let p = Picture::read(&one.store, &one.keys, PC, 251);
         assert_eq!(p.load(booked[1].id), InstanceLoad::default());
