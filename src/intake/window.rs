@@ -60,7 +60,7 @@ fn nondigit_swar(w: &[u8; 72]) -> u64 {
 
 /// Bit `k` of each mask describes byte `k` of a 64-byte window.
 #[cfg(simd)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Masks {
     /// `0`–`9`.
     pub digit: u64,
@@ -75,12 +75,7 @@ pub(crate) struct Masks {
 /// The masks by a byte loop: the reference the SIMD masks are tested against.
 #[cfg(all(test, simd))]
 pub(crate) fn masks_scalar(w: &[u8; 64]) -> Masks {
-    let mut m = Masks {
-        digit: 0,
-        comma: 0,
-        space: 0,
-        zero: 0,
-    };
+    let mut m = Masks::default();
     for (k, &c) in w.iter().enumerate() {
         m.digit |= u64::from(c.wrapping_sub(b'0') < 10) << k;
         m.comma |= u64::from(c == b',') << k;
@@ -94,17 +89,11 @@ pub(crate) fn masks_scalar(w: &[u8; 64]) -> Masks {
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 pub(crate) fn masks(w: &[u8; 64]) -> Masks {
     use core::arch::wasm32::*;
-    let mut m = Masks {
-        digit: 0,
-        comma: 0,
-        space: 0,
-        zero: 0,
-    };
-    for (k, chunk) in w.chunks_exact(16).enumerate() {
-        let mut lanes = [0u8; 16];
-        lanes.copy_from_slice(chunk);
-        let lo = u64::from_le_bytes(lanes[..8].try_into().unwrap_or_default());
-        let hi = u64::from_le_bytes(lanes[8..].try_into().unwrap_or_default());
+    let mut m = Masks::default();
+    for (k, chunk) in w.as_chunks::<16>().0.iter().enumerate() {
+        let (lo, hi) = chunk.split_at(8);
+        let lo = u64::from_le_bytes(lo.try_into().unwrap_or_default());
+        let hi = u64::from_le_bytes(hi.try_into().unwrap_or_default());
         let x = u64x2(lo, hi);
         let d = u8x16_le(u8x16_sub(x, u8x16_splat(b'0')), u8x16_splat(9));
         let shift = 16 * k;
@@ -127,17 +116,11 @@ pub(crate) fn masks(w: &[u8; 64]) -> Masks {
 #[target_feature(enable = "sse2")]
 fn masks_sse2(w: &[u8; 64]) -> Masks {
     use core::arch::x86_64::*;
-    let mut m = Masks {
-        digit: 0,
-        comma: 0,
-        space: 0,
-        zero: 0,
-    };
-    for (k, chunk) in w.chunks_exact(16).enumerate() {
-        let mut lanes = [0u8; 16];
-        lanes.copy_from_slice(chunk);
-        let lo = i64::from_le_bytes(lanes[..8].try_into().unwrap_or_default());
-        let hi = i64::from_le_bytes(lanes[8..].try_into().unwrap_or_default());
+    let mut m = Masks::default();
+    for (k, chunk) in w.as_chunks::<16>().0.iter().enumerate() {
+        let (lo, hi) = chunk.split_at(8);
+        let lo = i64::from_le_bytes(lo.try_into().unwrap_or_default());
+        let hi = i64::from_le_bytes(hi.try_into().unwrap_or_default());
         let x = _mm_set_epi64x(hi, lo);
         // A digit: its value minus `0` is at most 9 (unsigned), i.e. min(v, 9) == v.
         let v = _mm_sub_epi8(x, _mm_set1_epi8(b'0' as i8));
