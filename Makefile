@@ -65,8 +65,9 @@ layout:
 	python3 tools/layout_check_test.py
 	python3 tools/layout_check.py
 
-## make test: lint, the wasm build, every Rust test, the end-to-end tests through Envoy, the
-## short chaos soak, the JavaScript package's Node tests and the fleet page in headless Chromium.
+## make test: lint, the wasm build, the core's intake and hashing as wasm in Node's V8, every
+## Rust test, the end-to-end tests through Envoy, the short chaos soak, the JavaScript package's
+## Node tests and the fleet page in headless Chromium.
 test: lint wasm
 	$(MAKE) test-wasm-core
 	$(MAKE) check-rules
