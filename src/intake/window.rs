@@ -85,53 +85,62 @@ pub(crate) fn masks_scalar(w: &[u8; 64]) -> Masks {
     m
 }
 
-/// The masks from 16-byte compares (wasm `simd128`, as Envoy's V8 and wasmtime run it).
-#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+/// The masks of a 64-byte window, 16 bytes at a time by [`classes`].
+#[cfg(simd)]
+#[inline]
 pub(crate) fn masks(w: &[u8; 64]) -> Masks {
-    use core::arch::wasm32::*;
     let mut m = Masks::default();
     for (k, chunk) in w.as_chunks::<16>().0.iter().enumerate() {
-        let (lo, hi) = chunk.split_at(8);
-        let lo = u64::from_le_bytes(lo.try_into().unwrap_or_default());
-        let hi = u64::from_le_bytes(hi.try_into().unwrap_or_default());
-        let x = u64x2(lo, hi);
-        let d = u8x16_le(u8x16_sub(x, u8x16_splat(b'0')), u8x16_splat(9));
-        let shift = 16 * k;
-        m.digit |= u64::from(u8x16_bitmask(d)) << shift;
-        m.comma |= u64::from(u8x16_bitmask(u8x16_eq(x, u8x16_splat(b',')))) << shift;
-        m.space |= u64::from(u8x16_bitmask(u8x16_eq(x, u8x16_splat(b' ')))) << shift;
-        m.zero |= u64::from(u8x16_bitmask(u8x16_eq(x, u8x16_splat(b'0')))) << shift;
+        let [digit, comma, space, zero] = classes(chunk).map(|b| u64::from(b) << (16 * k));
+        m.digit |= digit;
+        m.comma |= comma;
+        m.space |= space;
+        m.zero |= zero;
     }
     m
 }
 
-/// The masks from 16-byte compares (SSE2, part of every x86-64).
+/// Bit `k` set when byte `k` of `chunk` is a digit, a comma, a space, a `0` (wasm `simd128`,
+/// as Envoy's V8 and wasmtime run it).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline]
+fn classes(chunk: &[u8; 16]) -> [u16; 4] {
+    use core::arch::wasm32::*;
+    let (lo, hi) = chunk.split_at(8);
+    let lo = u64::from_le_bytes(lo.try_into().unwrap_or_default());
+    let hi = u64::from_le_bytes(hi.try_into().unwrap_or_default());
+    let x = u64x2(lo, hi);
+    let digit = u8x16_le(u8x16_sub(x, u8x16_splat(b'0')), u8x16_splat(9));
+    [
+        digit,
+        u8x16_eq(x, u8x16_splat(b',')),
+        u8x16_eq(x, u8x16_splat(b' ')),
+        u8x16_eq(x, u8x16_splat(b'0')),
+    ]
+    .map(|v| u8x16_bitmask(v))
+}
+
+/// [`classes`] by SSE2, part of every x86-64.
 #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
-pub(crate) fn masks(w: &[u8; 64]) -> Masks {
+#[inline]
+fn classes(chunk: &[u8; 16]) -> [u16; 4] {
     // SAFETY: SSE2 is enabled for this build (the cfg above; it is x86-64's baseline).
-    unsafe { masks_sse2(w) }
+    unsafe { classes_sse2(chunk) }
 }
 
 #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
 #[target_feature(enable = "sse2")]
-fn masks_sse2(w: &[u8; 64]) -> Masks {
+fn classes_sse2(chunk: &[u8; 16]) -> [u16; 4] {
     use core::arch::x86_64::*;
-    let mut m = Masks::default();
-    for (k, chunk) in w.as_chunks::<16>().0.iter().enumerate() {
-        let (lo, hi) = chunk.split_at(8);
-        let lo = i64::from_le_bytes(lo.try_into().unwrap_or_default());
-        let hi = i64::from_le_bytes(hi.try_into().unwrap_or_default());
-        let x = _mm_set_epi64x(hi, lo);
-        // A digit: its value minus `0` is at most 9 (unsigned), i.e. min(v, 9) == v.
-        let v = _mm_sub_epi8(x, _mm_set1_epi8(b'0' as i8));
-        let d = _mm_cmpeq_epi8(_mm_min_epu8(v, _mm_set1_epi8(9)), v);
-        let bits = |c: __m128i| u64::from(_mm_movemask_epi8(c) as u16) << (16 * k);
-        m.digit |= bits(d);
-        m.comma |= bits(_mm_cmpeq_epi8(x, _mm_set1_epi8(b',' as i8)));
-        m.space |= bits(_mm_cmpeq_epi8(x, _mm_set1_epi8(b' ' as i8)));
-        m.zero |= bits(_mm_cmpeq_epi8(x, _mm_set1_epi8(b'0' as i8)));
-    }
-    m
+    let (lo, hi) = chunk.split_at(8);
+    let lo = i64::from_le_bytes(lo.try_into().unwrap_or_default());
+    let hi = i64::from_le_bytes(hi.try_into().unwrap_or_default());
+    let x = _mm_set_epi64x(hi, lo);
+    // A digit: its value minus `0` is at most 9 (unsigned), i.e. min(v, 9) == v.
+    let v = _mm_sub_epi8(x, _mm_set1_epi8(b'0' as i8));
+    let digit = _mm_cmpeq_epi8(_mm_min_epu8(v, _mm_set1_epi8(9)), v);
+    let eq = |c: u8| _mm_cmpeq_epi8(x, _mm_set1_epi8(c as i8));
+    [digit, eq(b','), eq(b' '), eq(b'0')].map(|c| _mm_movemask_epi8(c) as u16)
 }
 
 /// The tokens of a window that starts at a token, when the window passes the check: appends
