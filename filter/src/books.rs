@@ -17,7 +17,7 @@ pub fn picture(vm: &VmRef, cfg: &Config, now: u64) -> Picture {
         load_ttl_ms: millis(cfg.load_ttl),
         fleet_counts: cfg.fleet,
     };
-    Picture::read(&HostStore, &vm.keys, pc, now)
+    Picture::with_fleet(&HostStore, &vm.keys, vm.fleet(now), pc, now)
 }
 
 fn books<'a>(vm: &'a VmRef, cfg: &Config) -> Books<'a, HostStore> {

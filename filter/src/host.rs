@@ -34,6 +34,11 @@ extern "C" {
         return_value_data: *mut *mut u8,
         return_value_size: *mut usize,
     ) -> u32;
+    fn proxy_get_header_map_pairs(
+        map_type: MapType,
+        return_map_data: *mut *mut u8,
+        return_map_size: *mut usize,
+    ) -> u32;
     fn proxy_replace_header_map_value(
         map_type: MapType,
         key_data: *const u8,
@@ -137,6 +142,19 @@ pub fn get_header(map: MapType, name: &str) -> Option<Vec<u8>> {
         }
         Some(owned(ptr, size).unwrap_or_default())
     }
+}
+
+/// The whole header map in one host call (`None`: the host failed or sent a malformed map).
+pub fn get_headers(map: MapType) -> Option<crate::headers::Headers> {
+    let mut ptr = null_mut();
+    let mut size = 0;
+    let bytes = unsafe {
+        if proxy_get_header_map_pairs(map, &mut ptr, &mut size) != OK {
+            return None;
+        }
+        owned(ptr, size).unwrap_or_default()
+    };
+    crate::headers::Headers::parse(bytes)
 }
 
 pub fn set_header(map: MapType, name: &str, value: &[u8]) -> bool {

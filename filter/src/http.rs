@@ -5,6 +5,7 @@ mod remote;
 mod resolve;
 mod text;
 
+use std::borrow::Cow;
 use std::rc::Rc;
 
 use kvroute::hash;
@@ -18,6 +19,7 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::books;
 use crate::config::{millis, Config, Mode, DECODE_FIELDS};
+use crate::headers::Headers;
 use crate::host::{self, HostStore};
 use crate::outcome::Outcome;
 use crate::text_config::{MESSAGES_FIELD, PROMPT_FIELD};
@@ -155,6 +157,8 @@ pub(crate) struct Http {
     explained: Option<String>,
     /// Per-phase times of this request (timing mode only, `crate::timing`).
     clock: Stopwatch,
+    /// The request's headers, read whole once, until the decision (`None`: read one by one).
+    headers: Option<Headers>,
 }
 
 impl Http {
@@ -203,11 +207,21 @@ impl Http {
             text_path: None,
             explained: None,
             clock: Stopwatch::default(),
+            headers: None,
+        }
+    }
+
+    /// A request header, from the map read whole when there is one.
+    fn request_header(&self, name: &str) -> Option<Cow<'_, [u8]>> {
+        match &self.headers {
+            Some(h) => h.get(name).map(Cow::Borrowed),
+            None => host::get_header(MapType::HttpRequestHeaders, name).map(Cow::Owned),
         }
     }
 
     fn finish(&mut self, vm: &VmRef, outcome: Outcome) {
         self.phase = Phase::Done;
+        self.headers = None;
         self.outcome = Some(outcome);
         vm.timing.flush(&mut self.clock);
         vm.metrics.count(outcome);
@@ -289,8 +303,8 @@ impl Http {
     ) -> Action {
         let store = HostStore;
         let now = host::now_ms();
-        let state = match mirror::read_state(&store, &vm.keys) {
-            Ok((s, _)) if !s.is_stale(now, millis(cfg.stale_after)) => s,
+        let state = match vm.state(now) {
+            Ok(s) if !s.is_stale(now, millis(cfg.stale_after)) => s,
             _ => {
                 self.finish(vm, Outcome::StaleIndex);
                 return Action::Continue;
@@ -520,9 +534,8 @@ impl HttpContext for Http {
         self.clock = vm.timing.start();
         let cfg = crate::rules::select_config(&vm);
         self.cfg = Some(cfg.clone());
-        // Never let a client choose the upstream, routed or not.
-        host::remove_header(MapType::HttpRequestHeaders, &cfg.destination_header);
         if cfg!(feature = "bench-floor") {
+            host::remove_header(MapType::HttpRequestHeaders, &cfg.destination_header);
             self.phase = Phase::WaitingBody;
             return if end_of_stream {
                 Action::Continue
@@ -530,10 +543,23 @@ impl HttpContext for Http {
                 Action::Pause
             };
         }
+        // One host call for every header this request asks about.
+        self.headers = host::get_headers(MapType::HttpRequestHeaders);
+        // Never let a client choose the upstream, routed or not. A map read whole shows
+        // whether the client sent the header; unread, it is removed blind.
+        if self
+            .headers
+            .as_ref()
+            .is_none_or(|h| h.contains(&cfg.destination_header))
+        {
+            host::remove_header(MapType::HttpRequestHeaders, &cfg.destination_header);
+        }
         if self.phase != Phase::Headers {
+            self.headers = None;
             return Action::Continue;
         }
-        let ct_ok = host::get_header(MapType::HttpRequestHeaders, "content-type")
+        let ct_ok = self
+            .request_header("content-type")
             .is_none_or(|ct| is_json(&ct));
         let body_sources = cfg.needs_body() && !end_of_stream;
         self.body_possible = body_sources && ct_ok;
@@ -549,7 +575,8 @@ impl HttpContext for Http {
                 Action::Continue
             }
             Ok(true) => {
-                let too_large = host::get_header(MapType::HttpRequestHeaders, "content-length")
+                let too_large = self
+                    .request_header("content-length")
                     .and_then(|v| {
                         std::str::from_utf8(&v)
                             .ok()

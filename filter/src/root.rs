@@ -293,6 +293,10 @@ impl Context for Root {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        // A feed page or a report's answer is written to the state and the fleet totals.
+        if let Some(vm) = &self.vm {
+            vm.forget_recent();
+        }
         if self.report.as_ref().map(|r| r.0) == Some(token_id) {
             if let (Some((_, _, sent)), Some(vm)) = (self.report.take(), self.vm.clone()) {
                 crate::report::on_answer(&vm, num_headers, &sent, !self.totals_exclude_own);
@@ -369,6 +373,7 @@ impl RootContext for Root {
             cache: RefCell::new(MetaCache::default()),
             scratch: RefCell::new(Scratch::default()),
             no_tokenizer: RefCell::new(NoTokenizer::default()),
+            recent: RefCell::default(),
             text_table,
             timing: crate::timing::Timing::define(self.timing),
         }));
@@ -380,6 +385,8 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         let Some(vm) = self.vm.clone() else { return };
+        // The lease holder may write the state below; the others read it fresh once a tick.
+        vm.forget_recent();
         // Every VM adds what its requests counted to the report's shared totals.
         crate::report::flush(&vm);
         self.ticks.set(self.ticks.get() + 1);

@@ -189,6 +189,8 @@ pub(crate) struct Vm {
     pub vm_id: Cell<u64>,
     pub rng: RefCell<SplitMix64>,
     pub cache: RefCell<MetaCache>,
+    /// The sync state and fleet totals this VM read last, reused for `index.reuse_ms`.
+    pub recent: RefCell<kvroute::mirror::Recent>,
     pub scratch: RefCell<Scratch>,
     pub no_tokenizer: RefCell<NoTokenizer>,
     /// Where text prefixes were sent (approximate mode), in shared data under `keys`.
@@ -200,6 +202,33 @@ pub(crate) struct Vm {
 impl Vm {
     pub fn config(&self) -> &crate::config::Config {
         &self.plugin.global
+    }
+
+    /// The sync state at `now` (host ms): this VM's read of the last `index.reuse_ms`, else
+    /// read from shared data.
+    pub fn state(&self, now: u64) -> Result<SyncState, kvroute::mirror::StoreError> {
+        let reuse = crate::config::millis(self.config().reuse);
+        match self.recent.try_borrow_mut() {
+            Ok(mut r) => r.state(&host::HostStore, &self.keys, now, reuse),
+            Err(_) => kvroute::mirror::read_state(&host::HostStore, &self.keys).map(|(s, _)| s),
+        }
+    }
+
+    /// The fleet totals at `now`, reused like [`Vm::state`].
+    pub fn fleet(&self, now: u64) -> Rc<kvroute::mirror::Fleet> {
+        let reuse = crate::config::millis(self.config().reuse);
+        match self.recent.try_borrow_mut() {
+            Ok(mut r) => r.fleet(&host::HostStore, &self.keys, now, reuse),
+            Err(_) => Rc::new(kvroute::mirror::read_fleet(&host::HostStore, &self.keys)),
+        }
+    }
+
+    /// The next request reads the state and the fleet totals again: this VM wrote them, or
+    /// may have.
+    pub fn forget_recent(&self) {
+        if let Ok(mut r) = self.recent.try_borrow_mut() {
+            r.forget();
+        }
     }
 }
 

@@ -31,6 +31,14 @@ fn a_client_sent_destination_header_is_always_removed() {
     // No tokens, no body: stripped.
     let o = gw.request().header(DEST, "6.6.6.6:1").send();
     assert_eq!(dest(&o), None);
+    // The filter reads the header map whole and removes the header only when the client
+    // sent it: in any case of its name.
+    let o = gw
+        .request()
+        .header(&DEST.to_ascii_uppercase(), "6.6.6.6:1")
+        .send();
+    assert_eq!(dest(&o), None);
+    assert!(o.header(&DEST.to_ascii_uppercase()).is_none());
     // Bad body: stripped.
     let o = gw
         .request()

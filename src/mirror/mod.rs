@@ -29,6 +29,9 @@
 //! holding an older stamp reads as empty, so nothing has to be cleared first, and switching
 //! `active` over swaps the whole index at once.
 //!
+//! A VM reuses the sync state and the fleet totals it read for a short window ([`Recent`],
+//! `recent.rs`).
+//!
 //! The request path reads the mirror through the views of `views.rs` ([`PrefixView`] over
 //! [`BucketView`]); the lease holder writes it with [`apply_page`].
 //!
@@ -41,6 +44,7 @@ mod fleet;
 mod keys;
 mod load;
 mod meta;
+mod recent;
 mod speculative;
 mod store;
 mod sync;
@@ -55,8 +59,10 @@ pub use load::{
     load_update_seen, rate_sample, Load, LoadDelta, LoadId, RateNote, RATE_SAMPLE_MIN_TOKENS,
 };
 pub use meta::{Alias, ApplyStats, Meta, WorkerSlot};
+pub use recent::Recent;
 pub use speculative::{
-    spec_entry, spec_insert, spec_lookup, spec_own_since, spec_share, stored_depths, Insert, PROBE,
+    spec_current, spec_entry, spec_insert, spec_lookup, spec_own_since, spec_share, stored_depths,
+    Insert, PROBE,
 };
 pub use store::{update_value, MemStore, Store, StoreError};
 pub use sync::{

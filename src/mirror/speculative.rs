@@ -134,6 +134,32 @@ pub fn spec_own_since(
     })
 }
 
+/// Whether the table already says what an insert of (`key`, `slot`, `blocks`) would, as an own
+/// entry with more than `min_left_ms` to live: the insert can wait (the decision repeated a
+/// recent one; writing would only push the expiry on).
+pub fn spec_current(
+    table: &[u8],
+    key: BlockKey,
+    slot: u32,
+    blocks: u32,
+    now_ms: u64,
+    min_left_ms: u64,
+) -> bool {
+    let cap = capacity(table);
+    if cap == 0 {
+        return false;
+    }
+    let k = key.0.max(1);
+    let start = (k % cap as u64) as usize;
+    (0..PROBE.min(cap)).any(|p| {
+        let e = 1 + ((start + p) % cap) * ENTRY;
+        le_u64(table, e) == k
+            && read_u32(table, e + 8) == slot
+            && read_u32(table, e + 12) == blocks
+            && le_u64(table, e + 16) > now_ms.saturating_add(min_left_ms)
+    })
+}
+
 /// The live holder of `key`: `(slot, blocks)`.
 pub fn spec_lookup(table: &[u8], key: BlockKey, now_ms: u64) -> Option<(u32, u32)> {
     spec_entry(table, key, now_ms).map(|(slot, blocks, _)| (slot, blocks))
@@ -230,6 +256,32 @@ mod tests {
         // An own decision over a shared entry makes it own again.
         spec_insert(&mut t, 8, BlockKey(3), 1, 4, 70, 100);
         assert_eq!(own(&t, 160, 70), [(BlockKey(3), 1, 4, 170)]);
+    }
+
+    #[test]
+    fn an_insert_is_current_only_for_the_same_own_holder_with_life_left() {
+        let mut t = Vec::new();
+        spec_insert(&mut t, 8, BlockKey(1), 3, 4, 0, 100);
+        spec_share(&mut t, 8, BlockKey(2), 3, 4, 0, 100);
+        assert!(spec_current(&t, BlockKey(1), 3, 4, 40, 50));
+        assert!(
+            !spec_current(&t, BlockKey(1), 3, 4, 60, 50),
+            "half its life gone"
+        );
+        assert!(
+            !spec_current(&t, BlockKey(1), 2, 4, 40, 50),
+            "another holder"
+        );
+        assert!(
+            !spec_current(&t, BlockKey(1), 3, 5, 40, 50),
+            "another depth"
+        );
+        assert!(
+            !spec_current(&t, BlockKey(2), 3, 4, 40, 50),
+            "another gateway's entry"
+        );
+        assert!(!spec_current(&t, BlockKey(9), 3, 4, 40, 50), "absent");
+        assert!(!spec_current(&[], BlockKey(1), 3, 4, 40, 50));
     }
 
     #[test]

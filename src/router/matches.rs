@@ -9,8 +9,8 @@ use crate::api::QueryResponse;
 use crate::event::WorkerId;
 use crate::lookup::WorkerMatch;
 use crate::mirror::{
-    self, spec_insert, spec_lookup, stored_depths, Depth, Insert, Keys, LoadId, PrefixView, Store,
-    StoreError,
+    self, spec_current, spec_insert, spec_lookup, stored_depths, Depth, Insert, Keys, LoadId,
+    PrefixView, Store, StoreError,
 };
 
 /// Remote mode's contenders, one per instance of the collector's answer (in its order), all
@@ -160,6 +160,16 @@ pub fn remember<S: Store, T: Store>(
         .filter_map(|d| view.key_at(Depth(d - 1)).map(|k| (d, k)))
         .collect();
     if depths.is_empty() {
+        return Ok(0);
+    }
+    // A decision that repeats a recent one (the same worker for the same prompt, the
+    // entries with over half their time to live) writes nothing: the entries bridge the time
+    // until the engine's own events arrive, which a refresh every request does not shorten.
+    if read.as_ref().is_some_and(|r| {
+        depths
+            .iter()
+            .all(|&(d, k)| spec_current(&r.table, k, slot, d, now, ttl_ms / 2))
+    }) {
         return Ok(0);
     }
     let Some(shard) = read

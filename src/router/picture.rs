@@ -3,6 +3,8 @@
 //! Read through the [`Store`] trait, so the filter (host calls) and native callers
 //! ([`MemStore`](crate::mirror::MemStore)) see the same picture.
 
+use std::rc::Rc;
+
 use super::load::{fleet_view, Counts, InstanceLoad, Replica};
 use super::policy::Policy;
 use crate::mirror::{self, Fleet, Keys, LoadId, Store};
@@ -25,7 +27,7 @@ pub struct Picture {
     table: Vec<u8>,
     /// The table's CAS token (0: there was none): the booking writes over this read.
     cas: u32,
-    fleet: Option<Fleet>,
+    fleet: Option<Rc<Fleet>>,
     cfg: PictureConfig,
     now: u64,
 }
@@ -34,11 +36,24 @@ impl Picture {
     /// Reads the load table and the fleet value at `now` (host milliseconds). A failed read
     /// is an empty table: no load known, which the decision handles.
     pub fn read<S: Store>(store: &S, keys: &Keys, cfg: PictureConfig, now: u64) -> Picture {
+        let fleet = Rc::new(mirror::read_fleet(store, keys));
+        Picture::with_fleet(store, keys, fleet, cfg, now)
+    }
+
+    /// Reads the load table at `now`, with fleet totals the caller already holds (a VM's
+    /// [`Recent`](mirror::Recent) read).
+    pub fn with_fleet<S: Store>(
+        store: &S,
+        keys: &Keys,
+        fleet: Rc<Fleet>,
+        cfg: PictureConfig,
+        now: u64,
+    ) -> Picture {
         let (table, cas) = match store.get(keys.load()) {
             Ok((Some(v), cas)) => (v, cas),
             _ => (Vec::new(), 0),
         };
-        let fleet = Some(mirror::read_fleet(store, keys))
+        let fleet = Some(fleet)
             .filter(|f| !f.workers.is_empty() && now.saturating_sub(f.received_ms) <= cfg.fresh_ms);
         Picture {
             table,

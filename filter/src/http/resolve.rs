@@ -2,8 +2,9 @@
 //! first of its configured sources (header, metadata, body field) that has it. A body source
 //! keeps a value pending until the body is scanned.
 
+use std::borrow::Cow;
+
 use kvroute::intake::{self, Found};
-use proxy_wasm::types::MapType;
 
 use super::{BodyCtx, Http, Res, Tok};
 use crate::config::{Config, Source, Sources};
@@ -24,8 +25,9 @@ impl Http {
     ) -> Res<String> {
         for (i, src) in sources.sources.iter().enumerate().skip(from) {
             let value = match src {
-                Source::Header(name) => host::get_header(MapType::HttpRequestHeaders, name)
-                    .and_then(|v| String::from_utf8(v).ok()),
+                Source::Header(name) => self
+                    .request_header(name)
+                    .and_then(|v| String::from_utf8(v.into_owned()).ok()),
                 Source::Metadata(path) => {
                     host::get_property(path).and_then(|v| String::from_utf8(v).ok())
                 }
@@ -66,8 +68,8 @@ impl Http {
     ) -> Result<Res<Tok>, Outcome> {
         for (i, src) in sources.sources.iter().enumerate().skip(from) {
             let value = match src {
-                Source::Header(name) => host::get_header(MapType::HttpRequestHeaders, name),
-                Source::Metadata(path) => host::get_property(path),
+                Source::Header(name) => self.request_header(name),
+                Source::Metadata(path) => host::get_property(path).map(Cow::Owned),
                 Source::Body(field) => {
                     match body {
                         None if self.body_possible => return Ok(Res::Pending(i)),
