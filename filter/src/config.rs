@@ -895,6 +895,29 @@ mod tests {
     }
 
     #[test]
+    fn reuse_stays_below_the_sync_interval() {
+        let reuse = |json: &str| parse(json.as_bytes()).map(|c| millis(c.reuse));
+        assert_eq!(reuse(r#"{"collector": {"cluster": "c"}}"#).unwrap(), 2);
+        let at = |ms: u32| {
+            reuse(&format!(
+                r#"{{"collector": {{"cluster": "c"}}, "index": {{"sync_interval_ms": {ms}}}}}"#
+            ))
+        };
+        // Left to its default, it shrinks with a short interval.
+        assert_eq!(at(2).unwrap(), 1);
+        assert_eq!(at(1).unwrap(), 0);
+        let set = |r: u32, ms: u32| {
+            reuse(&format!(
+                r#"{{"collector": {{"cluster": "c"}}, "index": {{"reuse_ms": {r}, "sync_interval_ms": {ms}}}}}"#
+            ))
+        };
+        assert_eq!(set(0, 25).unwrap(), 0);
+        assert_eq!(set(24, 25).unwrap(), 24);
+        let e = set(25, 25).unwrap_err().to_string();
+        assert!(e.contains("index.reuse_ms"), "{e}");
+    }
+
+    #[test]
     fn text_keys_have_defaults_and_are_checked() {
         let c = parse(br#"{"collector": {"cluster": "c"}}"#).unwrap();
         assert!(c.text.exact && c.text.approx);
