@@ -1,7 +1,6 @@
 //! What a routed request costs in crossings into the host, counted: a budget. In Envoy's V8 a
-//! shared-data read or write costs a few microseconds, a header read about one, so each new
-//! crossing on the request path is a visible share of the filter's CPU (issue 22); this test
-//! makes adding one a deliberate change.
+//! crossing costs about 0.5–1 µs (six fewer saved 3–7 µs at 1k tokens, README), a visible share
+//! of the filter's CPU (issue 22); this test makes adding one a deliberate change.
 
 use std::collections::BTreeMap;
 
