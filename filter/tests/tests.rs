@@ -21,6 +21,8 @@ mod keyspace;
 mod load;
 /// Remote mode: `/query` per request, timeouts and errors.
 mod remote;
+/// `index.reuse_ms`: the sync state read once per window per worker, and only then.
+mod reuse;
 /// Routing from every intake source; load, ties, dp ranks, runner-up, load release.
 mod routing;
 /// Client headers, tenants, LoRA adapters and cache salts kept apart.
