@@ -429,6 +429,18 @@ def write_markdown(results: dict, out: Path, args) -> None:
             cells = ["-" if v is None else f"{v / 1000:.1f}" for v in vals]
             total = sum(v for v in vals if v is not None) / 1000
             lines.append(f"| {size} | " + " | ".join(cells) + f" | {total:.1f} |")
+        probes = ["call_clock", "call_header", "call_header_map", "call_shared_read",
+                  "call_header_remove"]
+        lines += ["", "Single host calls, timed apart from every phase (timing mode's probes, "
+                  "`kvroute.timing.call_<kind>_ns`: 8 calls each per request, mean ns per call; "
+                  "a clock read, `:path` read, the whole request header map read, the sync "
+                  "state read from shared data, an absent header removed):", "",
+                  "| tokens | " + " | ".join(probes) + " |", "|---|" + "---|" * len(probes)]
+        for size, s in results["sizes"].items():
+            t = s["filter"]["timing"]
+            cells = ["-" if t.get(p) is None else f"{t[p]['mean_ns'] / 1000:.2f} µs"
+                     for p in probes]
+            lines.append(f"| {size} | " + " | ".join(cells) + " |")
     lines += ["", f"Shared-data CAS mismatches (`kvroute.cas_mismatches`, {args.concurrency} "
               "Envoy workers):", "", "| tokens | kvroute requests | CAS mismatches | per 1k requests |",
               "|---|---|---|---|"]

@@ -326,7 +326,7 @@ fn default_stale_after() -> u64 {
 }
 fn default_reuse() -> u32 {
     // A worker reads the sync state and the fleet totals at most every 2 ms instead of for
-    // every request (two shared-data crossings, 1-2 µs in Envoy's V8); the pages they follow
+    // every request (two shared-data reads, ~3 µs in Envoy's V8); the pages they follow
     // come every 25 ms, so a page is seen at most 2 ms later. Too long when `sync_interval_ms`
     // is near it (README, "Defaults, and the scenario that breaks each").
     2

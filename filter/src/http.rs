@@ -569,6 +569,8 @@ impl HttpContext for Http {
         };
         let resolved = self.resolve(None, &cfg, &mut scratch);
         vm.timing.lap(&mut self.clock, Timed::HeaderIntake);
+        // Timing mode only: the price of single host calls, apart from every phase.
+        vm.timing.probe(&mut self.clock, vm.keys.active());
         match resolved {
             Err(o) => {
                 self.finish(&vm, o);

@@ -81,6 +81,56 @@ impl Phase {
     }
 }
 
+/// A host call timed on its own, once per request in timing mode, so that a phase's time can
+/// be split into the host calls it makes and the filter's own work: how much a crossing costs
+/// where the filter runs, rather than inferred from phase totals.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Probe {
+    /// `proxy_get_current_time_nanoseconds`.
+    Clock,
+    /// `proxy_get_header_map_value` of `:path` (present in every request; its value copied
+    /// into the VM).
+    Header,
+    /// `proxy_get_header_map_pairs`: the request's whole header map.
+    HeaderMap,
+    /// `proxy_get_shared_data` of the sync state (about 100 bytes).
+    SharedRead,
+    /// `proxy_remove_header_map_value` of a header no request has: a crossing that returns
+    /// nothing into the VM, as a write does.
+    HeaderRemove,
+}
+
+impl Probe {
+    /// Every probe, in metric-id order.
+    pub const ALL: [Probe; 5] = [
+        Probe::Clock,
+        Probe::Header,
+        Probe::HeaderMap,
+        Probe::SharedRead,
+        Probe::HeaderRemove,
+    ];
+
+    /// Calls timed per probe: the span between two clock reads holds this many, so the clock
+    /// reads at its ends weigh 1/`CALLS` of a call.
+    pub const CALLS: u64 = 8;
+
+    /// The histogram's name: nanoseconds per call.
+    pub fn metric(self) -> &'static str {
+        match self {
+            Probe::Clock => "kvroute.timing.call_clock_ns",
+            Probe::Header => "kvroute.timing.call_header_ns",
+            Probe::HeaderMap => "kvroute.timing.call_header_map_ns",
+            Probe::SharedRead => "kvroute.timing.call_shared_read_ns",
+            Probe::HeaderRemove => "kvroute.timing.call_header_remove_ns",
+        }
+    }
+}
+
+/// The header [`Probe::HeaderRemove`] removes: no client sends it, so removing it changes
+/// nothing.
+const PROBE_ABSENT_HEADER: &str = "x-kvroute-timing-probe-absent";
+
 /// The VM configuration's keys.
 #[derive(Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -104,6 +154,7 @@ pub(crate) fn parse_vm_config(raw: &[u8]) -> Result<bool, String> {
 #[derive(Debug, Default)]
 pub(crate) struct Timing {
     ids: [Option<u32>; Phase::ALL.len()],
+    probe_ids: [Option<u32>; Probe::ALL.len()],
     on: bool,
 }
 
@@ -117,6 +168,9 @@ impl Timing {
         if on {
             for (i, p) in Phase::ALL.iter().enumerate() {
                 t.ids[i] = host::define_metric(MetricType::Histogram, p.metric());
+            }
+            for (i, p) in Probe::ALL.iter().enumerate() {
+                t.probe_ids[i] = host::define_metric(MetricType::Histogram, p.metric());
             }
         }
         t
@@ -155,6 +209,52 @@ impl Timing {
         }
         watch.touched |= 1 << i;
         watch.last = now;
+    }
+
+    /// Times [`Probe::CALLS`] calls of each [`Probe`] and records nanoseconds per call, then
+    /// marks `watch` anew so that no phase is charged for them. Request headers only (the
+    /// header probes need them); nothing when timing is off.
+    pub fn probe(&self, watch: &mut Stopwatch, state_key: &str) {
+        if !self.on {
+            return;
+        }
+        for (i, p) in Probe::ALL.iter().enumerate() {
+            let t0 = host::now_ns();
+            for _ in 0..Probe::CALLS {
+                match p {
+                    Probe::Clock => {
+                        core::hint::black_box(host::now_ns());
+                    }
+                    Probe::Header => {
+                        core::hint::black_box(host::get_header(
+                            proxy_wasm::types::MapType::HttpRequestHeaders,
+                            ":path",
+                        ));
+                    }
+                    Probe::HeaderMap => {
+                        core::hint::black_box(host::get_headers(
+                            proxy_wasm::types::MapType::HttpRequestHeaders,
+                        ));
+                    }
+                    Probe::SharedRead => {
+                        core::hint::black_box(kvroute::mirror::Store::get(
+                            &host::HostStore,
+                            state_key,
+                        ))
+                        .ok();
+                    }
+                    Probe::HeaderRemove => {
+                        core::hint::black_box(host::remove_header(
+                            proxy_wasm::types::MapType::HttpRequestHeaders,
+                            PROBE_ABSENT_HEADER,
+                        ));
+                    }
+                }
+            }
+            let per_call = host::now_ns().saturating_sub(t0) / Probe::CALLS;
+            host::record_metric(self.probe_ids.get(i).copied().flatten(), per_call);
+        }
+        self.restart(watch);
     }
 
     /// Records each phase `watch` charged since the last flush, one sample each: a phase

@@ -18,6 +18,14 @@ const PHASES: [&str; 10] = [
     "release",
 ];
 
+const PROBES: [&str; 5] = [
+    "call_clock",
+    "call_header",
+    "call_header_map",
+    "call_shared_read",
+    "call_header_remove",
+];
+
 fn gateway_vm(vm_config: &str) -> Result<Gateway, kvroute_host_test::HostError> {
     Gateway::builder(wasm())
         .config(config(json!({})))
@@ -63,7 +71,44 @@ fn every_phase_of_a_routed_request_gets_one_sample_when_on() {
     assert_eq!(n("body_copy"), Some(4));
     assert_eq!(n("body_intake"), Some(4));
     assert_eq!(n("hash"), Some(3));
+    // The host-call probes: one sample each per request, ns per call, apart from the phases.
+    for p in PROBES {
+        assert_eq!(n(p), Some(4), "{p}");
+    }
     assert!(gw.errors().is_empty(), "{:?}", gw.errors());
+}
+
+#[test]
+fn the_probes_call_the_host_only_in_timing_mode() {
+    // Eight calls of each kind per request in timing mode, none without.
+    let (mut gw, prompt) = routed_gateway(r#"{"timing": true}"#);
+    complete(&mut gw, "m", &prompt);
+    let before = gw.hostcalls();
+    assert_eq!(best(&complete(&mut gw, "m", &prompt)), Some(A));
+    let made = |name: &str| {
+        gw.hostcalls().get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0)
+    };
+    assert_eq!(
+        made("proxy_get_header_map_pairs"),
+        1 + 8,
+        "the whole map, 8 times more"
+    );
+    assert!(made("proxy_get_header_map_value") >= 8, ":path 8 times");
+    let (off, prompt) = routed_gateway("");
+    let mut off = off;
+    complete(&mut off, "m", &prompt);
+    let before = off.hostcalls();
+    complete(&mut off, "m", &prompt);
+    let pairs = off
+        .hostcalls()
+        .get("proxy_get_header_map_pairs")
+        .copied()
+        .unwrap_or(0)
+        - before
+            .get("proxy_get_header_map_pairs")
+            .copied()
+            .unwrap_or(0);
+    assert_eq!(pairs, 1, "timing off: no probe");
 }
 
 #[test]

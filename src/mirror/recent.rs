@@ -3,7 +3,7 @@
 //!
 //! Both values change only when the lease holder applies a feed page or a load report is
 //! answered: every `sync_interval` (25 ms by default) at most. Reading them costs two
-//! shared-data crossings per request (0.5–1 µs each in Envoy's V8); a VM serving thousands of
+//! shared-data reads per request (~1.4 µs each in Envoy's V8); a VM serving thousands of
 //! requests a second reads them a few hundred times a second instead. What a reused value
 //! costs: a page applied by another VM is seen up to the window later, as if the pull had come
 //! that much later. The bucket cache is keyed by the state, so it follows unchanged.
