@@ -145,16 +145,8 @@ pub fn spec_current(
     now_ms: u64,
     min_left_ms: u64,
 ) -> bool {
-    let cap = capacity(table);
-    if cap == 0 {
-        return false;
-    }
-    let k = key.0.max(1);
-    let start = (k % cap as u64) as usize;
-    (0..PROBE.min(cap)).any(|p| {
-        let e = 1 + ((start + p) % cap) * ENTRY;
-        le_u64(table, e) == k
-            && read_u32(table, e + 8) == slot
+    entry_of(table, key).is_some_and(|e| {
+        read_u32(table, e + 8) == slot
             && read_u32(table, e + 12) == blocks
             && le_u64(table, e + 16) > now_ms.saturating_add(min_left_ms)
     })
@@ -168,21 +160,24 @@ pub fn spec_lookup(table: &[u8], key: BlockKey, now_ms: u64) -> Option<(u32, u32
 /// The live entry of `key`: `(slot, blocks, expires_ms)` (its age is its time-to-live minus
 /// what is left of it).
 pub fn spec_entry(table: &[u8], key: BlockKey, now_ms: u64) -> Option<(u32, u32, u64)> {
+    let e = entry_of(table, key)?;
+    let expires = le_u64(table, e + 16);
+    let slot = read_u32(table, e + 8) & !SHARED;
+    (expires > now_ms).then(|| (slot, read_u32(table, e + 12), expires))
+}
+
+/// The offset of `key`'s entry among the [`PROBE`] entries an insert of it would probe, live or
+/// not.
+fn entry_of(table: &[u8], key: BlockKey) -> Option<usize> {
     let cap = capacity(table);
     if cap == 0 {
         return None;
     }
     let k = key.0.max(1);
     let start = (k % cap as u64) as usize;
-    for p in 0..PROBE.min(cap) {
-        let e = 1 + ((start + p) % cap) * ENTRY;
-        if le_u64(table, e) == k {
-            let expires = le_u64(table, e + 16);
-            let slot = read_u32(table, e + 8) & !SHARED;
-            return (expires > now_ms).then(|| (slot, read_u32(table, e + 12), expires));
-        }
-    }
-    None
+    (0..PROBE.min(cap))
+        .map(|p| 1 + ((start + p) % cap) * ENTRY)
+        .find(|&e| le_u64(table, e) == k)
 }
 
 #[cfg(test)]
